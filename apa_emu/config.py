@@ -1,0 +1,114 @@
+"""The one frozen configuration that carries every numerics toggle (numerics.md §2–§9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+_CHOICES = {
+    "q_format": ("nvfp4", "fp8"),
+    "p_scale": ("ue4m3", "pow2"),
+    "block_scale": ("lsq", "nearest"),
+    "tile_order": ("diagonal", "ascending"),
+    "p2_accum": ("f16", "f32"),
+    "mma": ("sm90", "sm120", "exact"),
+    "p_groups": ("consecutive", "interleaved"),
+    "exp2": ("soft", "fast"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every toggle of the APA numerics. The defaults are what the sm_90 kernel does.
+
+    quant_q/k/p/v: quantize that pass-1 operand (False: it enters at FP16, or binary32 under
+    ``mma="exact"``). ``q_terms`` 1 or 2 NVFP4 terms; ``q_format`` "fp8" quantizes Q as E4M3.
+    ``eps`` < 0 makes every tile exact; a very large ``eps`` gives pure FP4. ``delta`` = 0
+    reproduces APA 0.2.0's coupled cold frame; ``tau`` = 0 is the exact running maximum.
+    ``scale`` is the softmax scale (None: 1/sqrt(d) rounded as binary32).
+    """
+
+    eps: float = 0.005
+    quant_q: bool = True
+    quant_k: bool = True
+    quant_p: bool = True
+    quant_v: bool = True
+    q_format: str = "nvfp4"
+    q_terms: int = 2
+    p_scale: str = "ue4m3"
+    block_scale: str = "lsq"
+    tile_order: str = "diagonal"
+    delta: float = 32.0
+    tau: int = 4
+    p2_accum: str = "f16"
+    mma: str = "sm90"
+    p_groups: str = "consecutive"
+    exp2: str = "soft"
+    scale: float | None = None
+
+    def __post_init__(self):
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
+        for name in ("quant_q", "quant_k", "quant_p", "quant_v"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.q_terms not in (1, 2):
+            raise ValueError(f"config.q_terms={self.q_terms!r}: expected 1 or 2")
+        if not isinstance(self.tau, (int, np.integer)) or isinstance(self.tau, bool) or not 0 <= self.tau <= 8:
+            raise ValueError(f"config.tau={self.tau!r}: expected an integer in 0..8")
+        for name in ("eps", "delta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
+                raise ValueError(f"config.{name}={value!r}: expected a finite number")
+        if self.delta < 0:
+            raise ValueError(f"config.delta={self.delta!r}: must be >= 0")
+        if self.scale is not None and (not math.isfinite(self.scale) or self.scale <= 0):
+            raise ValueError(f"config.scale={self.scale!r}: expected a positive finite number or None")
+        if self.mma == "sm120":
+            off = [n for n in ("quant_q", "quant_k", "quant_p", "quant_v") if not getattr(self, n)]
+            if off or self.q_format != "nvfp4":
+                raise ValueError(
+                    "config.mma='sm120' models the FP4 block-scaled MMA, which needs every pass-1 operand "
+                    f"quantized and Q in NVFP4 (got {', '.join(off) or 'q_format=' + self.q_format} off)"
+                )
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def softmax_scale(self, d: int) -> np.float32:
+        """The binary32 softmax scale: 1 / f32(sqrt(d)) rounded once, as the seed's bench does."""
+        if self.scale is not None:
+            return np.float32(self.scale)
+        return np.float32(np.float32(1.0) / np.float32(math.sqrt(d)))
+
+    @classmethod
+    def from_overrides(cls, items: list[str], base: "Config | None" = None) -> "Config":
+        """Build a config from ``key=value`` strings (the CLI's ``--config`` toggles)."""
+        base = base or cls()
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        changes = {}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in fields:
+                raise ValueError(f"--config {item!r}: expected key=value with key one of {', '.join(fields)}")
+            current = getattr(base, key)
+            raw = raw.strip()
+            if isinstance(current, bool):
+                if raw.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+                    raise ValueError(f"--config {item!r}: expected on/off")
+                changes[key] = raw.lower() in ("1", "true", "on", "yes")
+            elif key == "scale":
+                changes[key] = None if raw.lower() == "none" else float(raw)
+            elif isinstance(current, int):
+                changes[key] = int(raw)
+            elif isinstance(current, float):
+                changes[key] = float(raw)
+            else:
+                changes[key] = raw
+        return dataclasses.replace(base, **changes)
