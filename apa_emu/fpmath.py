@@ -1,0 +1,212 @@
+"""Scalar floating-point primitives of the APA numerics (numerics.md §1, §2, §4.4, §5.2).
+
+Every helper is an ``@njit(cache=True)`` scalar function meant to be called from the jitted passes;
+``exp2s_np`` is the vectorised twin of ``exp2s`` for tests and tools. All binary32 arithmetic is
+one IEEE operation with RNE and no FMA (numerics.md §1.1): fastmath stays off and every constant
+is a ``np.float32``, because Numba silently widens float32 to float64 next to a Python float or an
+integer. Conversions to binary16 and binary32-toward-zero are done arithmetically on binary64
+(exact scaling by powers of two, then one integer rounding), so nothing depends on Numba's float16
+support.
+
+Error of ``exp2s`` against f32 of the float64 exp2 (numerics.md §2.1), measured by
+``tests/test_fpmath.py`` (the [−1, 1] row by its ``slow`` test):
+
+===============================================  =========  ===================================
+inputs                                           max error  not correctly rounded
+===============================================  =========  ===================================
+every binary32 in [−1, 1]                        1 ulp      7 086 371 of 2 130 706 434 (0.33 %)
+20 000 001 evenly spaced binary32 in [−126, 32]  1 ulp      2 148 552 (10.7 %)
+===============================================  =========  ===================================
+
+Integers −126 ≤ n ≤ 127 give 2ⁿ exactly (f = 0 and C0 = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# numerics.md §2 step 4: C0..C6, given as bits so that the constants are the kernel's exactly.
+EXP2_COEFFS = np.array(
+    [0x3F800000, 0x3F317218, 0x3E75FDEE, 0x3D63576B, 0x3C1D9662, 0x3AAFA26E, 0x39212C6C],
+    dtype=np.uint32,
+).view(np.float32)
+
+# numerics.md §2.2: rounded once from binary64, so the table does not depend on a float32 log2.
+LG2 = np.array([math.log2(1.0 + mi / 8.0) for mi in range(9)], dtype=np.float64).astype(np.float32)
+
+_C0, _C1, _C2, _C3, _C4, _C5, _C6 = (np.float32(c) for c in EXP2_COEFFS)
+_RND = np.float32(12582912.0)  # 1.5·2²³: adding it leaves x rounded to an integer (RNE) in binary32
+_MIN_NORMAL = np.float32(2.0**-126)
+_LO = np.float32(-126.0)
+_HI = np.float32(128.0)
+_TWO = np.float32(2.0)
+_ZERO = np.float32(0.0)
+_INF = np.float32(np.inf)
+# 2^j for j = −126..127, exact powers of two: the "exponent bits" of numerics.md §2 step 5.
+_POW2 = np.ldexp(np.float32(1.0), np.arange(-126, 128)).astype(np.float32)
+_POW2_127 = np.float32(2.0**127)
+
+_F16_MAX_HALFWAY = 65520.0  # the binary16 midpoint between 65504 and 2¹⁶: RNE sends it to inf
+_F16_MIN_NORMAL = 2.0**-14
+_F32_MIN_NORMAL = 2.0**-126
+_F32_OVERFLOW = 2.0**128
+_RINT64 = 2.0**52  # adding 2⁵² rounds a binary64 in [0, 2⁵²) to an integer, ties to even
+
+
+@njit(cache=True)
+def exp2s(x):
+    """The bit-exact software exp2 of numerics.md §2 (``soft``), binary32 → binary32."""
+    x = np.float32(x)
+    if x != x:
+        return x
+    if x < _LO:
+        return _ZERO
+    if x >= _HI:
+        return _INF
+    j = (x + _RND) - _RND
+    f = x - j
+    p = _C6
+    p = (p * f) + _C5
+    p = (p * f) + _C4
+    p = (p * f) + _C3
+    p = (p * f) + _C2
+    p = (p * f) + _C1
+    p = (p * f) + _C0
+    ji = int(j)
+    if ji == 128:
+        # 2¹²⁸ is not a binary32; p < 1 here (f < 0), so doubling first stays exact.
+        r = (p * _TWO) * _POW2_127
+    else:
+        r = p * _POW2[ji + 126]
+    # numerics.md §2 step 6, kept because it is part of the definition the kernel also follows:
+    # for x ≥ −126 it cannot fire (p ≥ 1 when j = −126, p > 2^−0.5 otherwise).
+    if r < _MIN_NORMAL:
+        return _ZERO
+    return r
+
+
+@njit(cache=True)
+def exp2f(x):
+    """The ``fast`` exp2 emulation of numerics.md §2: f32 of the binary64 exp2, flushed below 2⁻¹²⁶."""
+    x = np.float32(x)
+    if x != x:
+        return x
+    if x < _LO:
+        return _ZERO
+    r = np.float32(np.exp2(np.float64(x)))
+    if r < _MIN_NORMAL:
+        return _ZERO
+    return r
+
+
+@njit(cache=True)
+def exp2(x, soft):
+    """numerics.md §2: ``soft`` selects ``exp2s`` (bit-exact), otherwise ``exp2f`` (config ``fast``)."""
+    if soft:
+        return exp2s(x)
+    return exp2f(x)
+
+
+def exp2s_np(a):
+    """``exp2s`` (numerics.md §2) on a NumPy array, element by element bitwise equal to it.
+
+    NumPy float32 array arithmetic is one RNE operation per element with no contraction, so the
+    same sequence of binary32 operations gives the same bits.
+    """
+    x = np.asarray(a, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        j = (x + _RND) - _RND
+        f = x - j
+        p = np.full_like(x, _C6)
+        for c in (_C5, _C4, _C3, _C2, _C1, _C0):
+            p = (p * f) + c
+        ji = np.clip(np.nan_to_num(j), -126, 128).astype(np.int64)
+        r = np.where(ji == 128, (p * _TWO) * _POW2_127, p * _POW2[np.minimum(ji, 127) + 126])
+        r = np.where(r < _MIN_NORMAL, _ZERO, r)
+        r = np.where(x < _LO, _ZERO, r)
+        r = np.where(x >= _HI, _INF, r)
+        r = np.where(np.isnan(x), x, r)
+    return r.astype(np.float32)
+
+
+def exp2_np(a, soft):
+    """``exp2`` (numerics.md §2) on a NumPy array: ``exp2s_np`` when ``soft``, else the ``fast``
+    emulation, element by element equal to the scalar ``exp2``."""
+    if soft:
+        return exp2s_np(a)
+    x = np.asarray(a, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        r = np.exp2(x.astype(np.float64)).astype(np.float32)
+    # The binary32 below −126 is −126 − 2⁻¹⁷, whose exp2 rounds to a subnormal, so the flush
+    # also gives exp2f's x < −126 → 0.
+    return np.where(r < _MIN_NORMAL, _ZERO, r)
+
+
+@njit(cache=True)
+def f16r(x):
+    """f16(x) of numerics.md §1.6 as a float32: RNE to binary16, overflow to ±inf, subnormals kept.
+
+    The quantum of binary16 at |x| (2⁻²⁴ below 2⁻¹⁴, else 2^(e−11)) is a power of two, so scaling
+    by it is exact in binary64 and a single integer RNE does the rounding. Accepts binary32 or
+    binary64 input.
+    """
+    xd = np.float64(x)
+    if xd != xd:
+        return np.float32(xd)
+    ax = abs(xd)
+    if ax >= _F16_MAX_HALFWAY:
+        return np.float32(math.copysign(np.inf, xd))
+    if ax < _F16_MIN_NORMAL:
+        quantum = 2.0**-24
+    else:
+        quantum = math.ldexp(1.0, math.frexp(ax)[1] - 11)
+    # ax / quantum < 2¹¹ + 1, far below 2⁵², so the 2⁵² trick rounds it once, ties to even.
+    y = (ax / quantum + _RINT64) - _RINT64
+    return np.float32(math.copysign(y * quantum, xd))
+
+
+@njit(cache=True)
+def rz_f32(x):
+    """binary64 → binary32 toward zero, subnormals on the 2⁻¹⁴⁹ grid, |x| ≥ 2¹²⁸ → ±inf, NaN → NaN.
+
+    The FP32 accumulation of the MMA models (numerics.md §3.1, §3.2) rounds this way; the
+    overflow rule is theirs.
+    """
+    if x != x:
+        return np.float32(x)
+    ax = abs(x)
+    if ax >= _F32_OVERFLOW:
+        return np.float32(math.copysign(np.inf, x))
+    if ax < _F32_MIN_NORMAL:
+        quantum = 2.0**-149
+    else:
+        quantum = math.ldexp(1.0, math.frexp(ax)[1] - 24)
+    return np.float32(math.copysign(np.floor(ax / quantum) * quantum, x))
+
+
+@njit(cache=True)
+def up2(x):
+    """numerics.md §5.2 up2 for a normal binary32 x > 0: x if its fraction bits are zero, else the
+    next power of two above x.
+
+    For a normal binary32 the fraction bits are zero exactly when the frexp mantissa is 1/2. The
+    callers' floor f32(1e−20) keeps x normal.
+    """
+    m, e = math.frexp(np.float64(x))
+    if m == 0.5:
+        return np.float32(x)
+    return np.float32(math.ldexp(1.0, e))
+
+
+@njit(cache=True)
+def f16_fma(a, b, c):
+    """f16(a·b + c) rounded once, for binary16 values held as float32 (numerics.md §4.4, the
+    seed's ``__hfma2``).
+
+    a·b is exact in binary64; the one binary64 rounding of the sum cannot change the binary16
+    result (numerics.md §4.4 gives the argument), so f16r of the binary64 sum is the fused value.
+    """
+    return f16r(np.float64(a) * np.float64(b) + np.float64(c))

@@ -1,0 +1,191 @@
+"""Prep: K mean, head and row scales, quantized Q, K and V (numerics.md §5).
+
+Everything here is vectorised NumPy in binary32 elementwise operations (each one IEEE RNE), plus the
+block quantizer from ``formats``. The results are laid out the way pass 1 and pass 2 consume them:
+per (batch, KV head), packed rows for Q and 64-key tiles for K and V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import formats
+from .config import Config
+from .fpmath import up2
+
+F32 = np.float32
+TILE = 64
+GROUP = 16
+LOG2E = np.array([0x3FB8AA3B], dtype=np.uint32).view(np.float32)[0]
+FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
+
+
+@dataclass
+class Prepared:
+    """Prep output for one batch entry; arrays are indexed [hk, ...]."""
+
+    d: int
+    G: int
+    n: int
+    S: int
+    q_offset: int
+    qmul: np.float32
+    kmean: np.ndarray  # [Hkv, d] f32
+    kg: np.ndarray  # [Hkv] f32
+    vg: np.ndarray  # [Hkv] f32
+    q16: np.ndarray  # [Hkv, R, d] f32 holding the FP16 input rows
+    qhat: np.ndarray  # [Hkv, R, d] f32 pass-1 operand (FP16 values under sm90)
+    cq: np.ndarray  # [Hkv, R] f32
+    sh: np.ndarray  # [Hkv, R] f32
+    khat: np.ndarray  # [Hkv, T*64, d] f32
+    vhat_t: np.ndarray  # [Hkv, T, d, 64] f32, keys in slot order
+    k16: np.ndarray  # [Hkv, T*64, d] f32 FP16 input keys, zero padded
+    v16_t: np.ndarray  # [Hkv, T, d, 64] f32 FP16 input values, natural key order
+    # sm120 only: codes and UE4M3 scales
+    q_codes: np.ndarray | None = None  # [terms, Hkv, R, d] u8
+    q_scales: np.ndarray | None = None  # [terms, Hkv, R, d/16] u8
+    k_codes: np.ndarray | None = None  # [Hkv, T*64, d]
+    k_scales: np.ndarray | None = None  # [Hkv, T*64, d/16]
+    v_codes_t: np.ndarray | None = None  # [Hkv, T, d, 64]
+    v_scales_t: np.ndarray | None = None  # [Hkv, T, d, 4]
+
+    @property
+    def R(self) -> int:
+        return self.n * self.G
+
+    @property
+    def ntiles(self) -> int:
+        return -(-self.S // TILE)
+
+
+def slot_keys(p_groups: str) -> np.ndarray:
+    """Key (within a tile) held by each of the 64 slots; group g is slots 16g..16g+15 (§7.3)."""
+    if p_groups == "consecutive":
+        return np.arange(TILE)
+    t = np.arange(TILE)
+    g = 2 * (t // 32) + (t // 4) % 2
+    return np.concatenate([t[g == i] for i in range(4)])
+
+
+def pack_rows(q: np.ndarray, Hkv: int) -> np.ndarray:
+    """[n, H, d] -> [Hkv, n*G, d]: packed row r is position r // G of head hk*G + r % G (§6.1)."""
+    n, H, d = q.shape
+    G = H // Hkv
+    return q.reshape(n, Hkv, G, d).transpose(1, 0, 2, 3).reshape(Hkv, n * G, d)
+
+
+def unpack_rows(x: np.ndarray, n: int, G: int) -> np.ndarray:
+    """Inverse of pack_rows: [Hkv, n*G, d] -> [n, H, d]."""
+    Hkv, _, d = x.shape
+    return x.reshape(Hkv, n, G, d).transpose(1, 0, 2, 3).reshape(n, Hkv * G, d)
+
+
+def kmean_exact(k16: np.ndarray) -> np.ndarray:
+    """§5.1: the exact integer sum in units of 2^-24, then one binary64 division and one rounding."""
+    units = (k16.astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
+    total = units.sum(axis=0)  # ok: int64, order-free
+    return (total.astype(np.float64) / np.float64(k16.shape[0]) * 2.0**-24).astype(F32)
+
+
+def head_scale(amax: np.ndarray) -> np.ndarray:
+    """§5.2: up2((4 ⊗ max(amax, 1e-20)) ⊘ 2688)."""
+    x = (FOUR * np.maximum(amax.astype(F32), TINY)) / QMAX
+    return np.array([up2(F32(v)) for v in np.atleast_1d(x)], dtype=F32).reshape(np.shape(x))
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(F32)
+
+
+def _fold(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    return formats.dequantize_blocks(codes, scales)
+
+
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config) -> Prepared:
+    """Prep for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated."""
+    n, H, d = q.shape
+    S, Hkv, _ = k.shape
+    G = H // Hkv
+    T = -(-S // TILE)
+    lsq = cfg.block_scale == "lsq"
+    sm120, exact = cfg.mma == "sm120", cfg.mma == "exact"
+    operand = (lambda x: x) if exact else _f16  # §5.6: unquantized operands enter as FP16 (sm90)
+
+    kf = np.zeros((T * TILE, Hkv, d), F32)
+    kf[:S] = k.astype(F32)
+    vf = np.zeros((T * TILE, Hkv, d), F32)
+    vf[:S] = v.astype(F32)
+
+    # §5.1–5.2 per KV head
+    kmean = kmean_exact(k)  # [Hkv, d]
+    amax_k = np.abs(kf[:S]).max(axis=(0, 2))
+    mk = np.abs(kmean).max(axis=1)
+    kg = head_scale(amax_k + mk)
+    vg = head_scale(np.abs(vf[:S]).max(axis=(0, 2)))
+
+    qmul = F32(cfg.softmax_scale(d) * LOG2E)
+    out = Prepared(d=d, G=G, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
+                   q16=None, qhat=None, cq=None, sh=None, khat=None, vhat_t=None, k16=None, v16_t=None)
+
+    # §5.3 Q, per packed row
+    q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
+    x = q16 * qmul
+    am = np.abs(x).max(axis=2, keepdims=True)
+    if cfg.quant_q and cfg.q_format == "fp8":
+        qr = np.maximum(am, TINY) / E4M3_MAX
+        codes = formats.e4m3_codes(x / qr)
+        qhat = formats.e4m3_values(codes)
+    else:
+        qr = np.maximum(am, TINY) / QMAX
+        x = x / qr
+        if not cfg.quant_q:
+            qhat = operand(x)
+        else:
+            c1, s1 = formats.quantize_blocks(x, lsq)
+            q1 = _fold(c1, s1)
+            if cfg.q_terms == 1:
+                qhat, qc, qs = q1, [c1], [s1]
+            else:
+                c2, s2 = formats.quantize_blocks(x - q1, lsq)
+                qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
+                qhat, qc, qs = operand(qsum), [c1, c2], [s1, s2]
+            if sm120:
+                out.q_codes, out.q_scales = np.stack(qc), np.stack(qs)
+    out.q16, out.qhat = q16, qhat.astype(F32)
+    out.cq = qr[..., 0] * kg[:, None]
+    sh = np.zeros(q16.shape[:2], F32)
+    for c in range(d):  # §5.3: sequential over channels
+        sh = sh + q16[:, :, c] * kmean[:, None, c]
+    out.sh = sh * qmul
+
+    # §5.4 K: [Hkv, T*64, d]
+    xk = (kf - kmean[None]) * (F32(1) / kg)[None, :, None]
+    xk[S:] = 0
+    xk = xk.transpose(1, 0, 2)
+    if cfg.quant_k:
+        ck, sk = formats.quantize_blocks(xk, lsq)
+        out.khat = _fold(ck, sk)
+        if sm120:
+            out.k_codes, out.k_scales = ck, sk
+    else:
+        out.khat = operand(xk)
+
+    # §5.5 V^T per tile in slot order: [Hkv, T, d, 64]
+    slots = slot_keys(cfg.p_groups)
+    xv = vf * (F32(1) / vg)[None, :, None]
+    xv_t = xv.reshape(T, TILE, Hkv, d)[:, slots].transpose(2, 0, 3, 1)
+    if cfg.quant_v:
+        cv, sv = formats.quantize_blocks(np.ascontiguousarray(xv_t), lsq)
+        out.vhat_t = _fold(cv, sv)
+        if sm120:
+            out.v_codes_t, out.v_scales_t = cv, sv
+    else:
+        out.vhat_t = operand(xv_t)
+    out.vhat_t = np.ascontiguousarray(out.vhat_t, dtype=F32)
+    out.khat = np.ascontiguousarray(out.khat, dtype=F32)
+
+    out.k16 = np.ascontiguousarray(kf.transpose(1, 0, 2))
+    out.v16_t = np.ascontiguousarray(vf.reshape(T, TILE, Hkv, d).transpose(2, 0, 3, 1))
+    return out
