@@ -137,7 +137,7 @@ class _Runner:
         l1 = np.zeros(ROWS, F32)
         hot = np.zeros(nwords, np.uint32)
         order = _visit_order(wp.last_tile, cfg.tile_order)
-        nv = order.shape[0] if traced else 0
+        nv = order.shape[0] if traced and cfg.eps >= 0 else 0
         tr_tile, tr_hot = np.zeros(nv, np.int32), np.zeros(nv, np.uint8)
         tr_f = [np.zeros((nv, ROWS), F32) for _ in range(5)]
         qrows = np.where(valid[:, None], prep.qhat[hk, wp.rows], 0).astype(F32)

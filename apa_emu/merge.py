@@ -15,7 +15,7 @@ def merge(m1, l1, part, m2, l2, o2, soft: bool) -> np.ndarray:
     Every step is an elementwise binary32 operation, so the vectorised form rounds exactly as the
     per-row statements of the spec.
     """
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # padding rows: 0/0
         big = np.maximum(m1, m2)
         # exp2 of (−inf) − M is 0 either way; the l > 0 guards also cover m = −inf with M = −inf
         w1 = np.where(l1 > 0, fpmath.exp2_np(np.where(l1 > 0, m1 - big, F32(0)), soft), F32(0)).astype(F32)
