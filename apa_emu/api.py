@@ -97,16 +97,15 @@ def warp_of(row: int, head: int, G: int) -> tuple[int, int]:
     return head // G, (row * G + head % G) // ROWS
 
 
-def _warps(prep: Prepared, b: int, Hkv: int):
+def _warps(prep: Prepared, b: int, hk: int):
     R, G, S = prep.R, prep.G, prep.S
-    for hk in range(Hkv):
-        for w in range(-(-R // ROWS)):
-            r = np.arange(w * ROWS, (w + 1) * ROWS)
-            valid = r < R
-            lim = np.where(valid, np.minimum(prep.q_offset + r // G, S - 1), -1).astype(np.int64)
-            p_wmax = prep.q_offset + (min(w * ROWS + ROWS - 1, R - 1) // G)
-            last = min(p_wmax // TILE, prep.ntiles - 1)
-            yield _Warp(b, hk, w, np.minimum(r, R - 1), valid, lim, last)
+    for w in range(-(-R // ROWS)):
+        r = np.arange(w * ROWS, (w + 1) * ROWS)
+        valid = r < R
+        lim = np.where(valid, np.minimum(prep.q_offset + r // G, S - 1), -1).astype(np.int64)
+        p_wmax = prep.q_offset + (min(w * ROWS + ROWS - 1, R - 1) // G)
+        last = min(p_wmax // TILE, prep.ntiles - 1)
+        yield _Warp(b, hk, w, np.minimum(r, R - 1), valid, lim, last)
 
 
 def _visit_order(last: int, tile_order: str) -> np.ndarray:
@@ -116,10 +115,10 @@ def _visit_order(last: int, tile_order: str) -> np.ndarray:
 
 
 class _Runner:
-    """Runs one warp end to end; shared read-only by worker processes (fork)."""
+    """Runs the warps of one (batch, KV head); shared read-only by worker processes (fork)."""
 
-    def __init__(self, preps: list[Prepared], cfg: Config, want_trace: tr.TraceRequest | None):
-        self.preps, self.cfg, self.want = preps, cfg, want_trace
+    def __init__(self, prep: Prepared, cfg: Config, want_trace: tr.TraceRequest | None):
+        self.prep, self.cfg, self.want = prep, cfg, want_trace
         self.model = _MODEL[cfg.mma]
         self.slots = slot_keys(cfg.p_groups).astype(np.int64)
         self.soft = cfg.exp2 == "soft"
@@ -127,11 +126,11 @@ class _Runner:
         self.dummy_u8 = np.zeros((1, ROWS, 16), np.uint8)
 
     def run(self, wp: _Warp):
-        cfg, prep = self.cfg, self.preps[wp.b]
-        d, hk = prep.d, wp.hk
+        cfg, prep = self.cfg, self.prep
+        d, hk = prep.d, 0  # the prep holds this (b, hk) alone
         nwords = -(-prep.ntiles // 32)
         valid = wp.valid
-        traced = self.want is not None and self.want.wants(wp.b, hk, wp.w)
+        traced = self.want is not None and self.want.wants(wp.b, wp.hk, wp.w)
         part = np.zeros((ROWS, d), F32)
         m1 = np.full(ROWS, -np.inf, F32)
         l1 = np.zeros(ROWS, F32)
@@ -176,7 +175,7 @@ class _Runner:
         visits = None
         if traced:
             visits = np.zeros(nv, tr.VISIT_DTYPE)
-            visits["b"], visits["hk"], visits["warp"] = wp.b, hk, wp.w
+            visits["b"], visits["hk"], visits["warp"] = wp.b, wp.hk, wp.w
             visits["visit"] = np.arange(nv)
             visits["tile"], visits["hot"] = tr_tile, tr_hot
             for name, arr in zip(("c", "m", "tl", "la", "lc"), tr_f):
@@ -204,29 +203,39 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     want = tr.TraceRequest.of(trace)
     B, n, H, d = qb.shape
     Hkv = kb.shape[2]
-    preps = [prepare(qb[b], kb[b], vb[b], int(q_offset), cfg) for b in range(B)]
-    G, R, ntiles = preps[0].G, preps[0].R, preps[0].ntiles
+    G = H // Hkv
+    R, ntiles = n * G, -(-kb.shape[1] // TILE)
     nw = -(-R // ROWS)
     chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
-    warps = [wp for b in range(B) for wp in _warps(preps[b], b, Hkv)
-             if chosen is None or (wp.b, wp.hk, wp.w) in chosen]
+    groups = [(b, hk) for b in range(B) for hk in range(Hkv)
+              if chosen is None or any(t[0] == b and t[1] == hk for t in chosen)]
+    total = nw * len(groups) if chosen is None else len(chosen)
 
+    # One (batch, KV head) at a time: its prep is all a warp reads (§5), so memory stays at one
+    # head's share of the dump whatever the number of heads.
     global _RUNNER
-    _RUNNER = _Runner(preps, cfg, want)
-    results = []
-    if workers > 1 and len(warps) > 1:
-        ctx = mp.get_context("fork")
-        with ctx.Pool(min(workers, os.cpu_count() or 1, len(warps))) as pool:
-            for res in pool.imap(_run_index, warps, chunksize=max(1, len(warps) // (8 * workers))):
-                results.append(res)
+    all_warps, results, scales = [], [], {}
+    for b, hk in groups:
+        heads = slice(hk * G, (hk + 1) * G)
+        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], int(q_offset), cfg)
+        scales[(b, hk)] = (float(prep.kg[0]), float(prep.vg[0]))
+        todo = [wp for wp in _warps(prep, b, hk) if chosen is None or (b, hk, wp.w) in chosen]
+        _RUNNER = _Runner(prep, cfg, want)
+        if workers > 1 and len(todo) > 1:
+            with mp.get_context("fork").Pool(min(workers, os.cpu_count() or 1, len(todo))) as pool:
+                chunk = max(1, len(todo) // (8 * workers))
+                for res in pool.imap(_run_index, todo, chunksize=chunk):
+                    results.append(res)
+                    if progress:
+                        progress(len(results), total)
+        else:
+            for wp in todo:
+                results.append(_RUNNER.run(wp))
                 if progress:
-                    progress(len(results), len(warps))
-    else:
-        for wp in warps:
-            results.append(_RUNNER.run(wp))
-            if progress:
-                progress(len(results), len(warps))
-    _RUNNER = None
+                    progress(len(results), total)
+        all_warps += todo
+        _RUNNER = None
+    warps = all_warps
 
     rows_out = np.full((B, Hkv, nw * ROWS, d), np.nan, np.float16)
     hot = np.zeros((B, Hkv, nw, -(-ntiles // 32)), np.uint32)
@@ -251,6 +260,6 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
         config=cfg,
         visits=np.concatenate(visits) if want is not None and visits else None,
         rows=np.concatenate(row_recs) if want is not None and row_recs else None,
-        meta=dict(G=G, R=R, nw=nw, ntiles=ntiles, kg=[p.kg for p in preps], vg=[p.vg for p in preps]),
+        meta=dict(G=G, R=R, nw=nw, ntiles=ntiles, head_scales=scales),
     )
 

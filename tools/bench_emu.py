@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apa_emu import Config, attention  # noqa: E402
+from apa_emu.prep import prepare  # noqa: E402
 from apa_emu.synth import synthetic  # noqa: E402
 
 
@@ -29,15 +30,20 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def one_warp(keys: int, model: str, reps: int) -> list[float]:
-    # 16 query rows of one head at the end of the context: one warp that visits all keys/64 tiles.
+def one_warp(keys: int, model: str, reps: int) -> tuple[list[float], list[float], float]:
+    """16 query rows of one head at the end of the context: one warp that visits all keys/64 tiles.
+    Returns (prep seconds, seconds of the whole call, hot share) per run; the warp is the difference."""
     dump = synthetic(16, keys, 1, 1, 128, seed=1, q_offset=keys - 16)
-    times = []
+    cfg = Config(mma=model)
+    preps, totals = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        attention(dump.q, dump.k, dump.v, dump.q_offset, Config(mma=model))
-        times.append(time.perf_counter() - t0)
-    return times
+        prepare(dump.q, dump.k, dump.v, dump.q_offset, cfg)
+        preps.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        res = attention(dump.q, dump.k, dump.v, dump.q_offset, cfg)
+        totals.append(time.perf_counter() - t0)
+    return preps, totals, res.hot_share
 
 
 def main() -> None:
@@ -53,12 +59,15 @@ def main() -> None:
         attention(warm.q, warm.k, warm.v, warm.q_offset, Config(mma=model))
 
     print(f"# machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, 1 worker")
-    print("| case | model | median s | runs |")
+    print("| case | model | median s | runs (s) |")
     print("|---|---|---|---|")
     for model in args.models:
-        times = one_warp(args.keys, model, args.reps)
-        print(f"| one warp, {args.keys} keys, d=128 | {model} | {statistics.median(times):.2f} | "
-              f"{', '.join(f'{t:.2f}' for t in times)} |")
+        preps, totals, share = one_warp(args.keys, model, args.reps)
+        warp = [t - p for t, p in zip(totals, preps)]
+        print(f"| prep of one KV head, {args.keys} keys | {model} | {statistics.median(preps):.2f} | "
+              f"{', '.join(f'{t:.2f}' for t in preps)} |")
+        print(f"| one warp, {args.keys} keys, d=128, hot share {share:.3f} | {model} | {statistics.median(warp):.2f} | "
+              f"{', '.join(f'{t:.2f}' for t in warp)} |")
     nq, nk = (int(x) for x in args.dump.split("x"))
     dump = synthetic(nq, nk, 24, 8, 128, seed=2, q_offset=nk - nq)
     t0 = time.perf_counter()

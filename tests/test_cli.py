@@ -1,0 +1,81 @@
+"""The apa command end to end: the built-in dump, synthetic dumps, JSON output and errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from apa_emu import Config
+from apa_emu.cli import main
+from apa_emu.dump import write_dump
+from apa_emu.study import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
+from apa_emu.synth import synthetic
+
+pytest.importorskip("rich")
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def small_dump(tmp_path_factory):
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    return d, str(write_dump(tmp_path_factory.mktemp("d") / "s.apadump", d.q, d.k, d.v, d.q_offset))
+
+
+def test_scan_builtin_subset(capsys):
+    out = run_json(capsys, "scan", "--rows", "500:512", "--heads", "0:3")
+    s = out["summary"]
+    assert s["pairs"] == 36 and 0.99 < s["pooled_cos"] <= 1.0 and 0 < s["hot_share"] <= 1
+
+
+def test_scan_table_and_exact_config(capsys, small_dump):
+    _, path = small_dump
+    assert main(["scan", path, "--config", "mma=exact", "quant_p=off"]) == 0
+    text = capsys.readouterr().out
+    assert "pooled_cos" in text and "per-pair cosine" in text
+
+
+def test_worst_pair_sweep(capsys, small_dump, tmp_path):
+    _, path = small_dump
+    worst = run_json(capsys, "worst", path, "-n", "3")["worst"]
+    assert len(worst) == 3 and worst[0]["cos"] <= worst[1]["cos"] <= worst[2]["cos"]
+    assert all(0 <= w["cold_mass_f64"] <= 1 and 1 <= w["hot_tiles"] <= w["tiles"] for w in worst)
+    png = tmp_path / "p.png"
+    pair = run_json(capsys, "pair", path, "--row", str(worst[0]["row"]), "--head", str(worst[0]["head"]),
+                    "--plot", str(png))
+    assert pair["diag"]["cos"] == pytest.approx(worst[0]["cos"])
+    assert png.stat().st_size > 1000 and pair["visits"][0]["tile"] == 0
+    mass = np.array(pair["tile_mass"])
+    assert mass.sum() == pytest.approx(1.0)
+    sweep = run_json(capsys, "sweep", path, "--eps", "-1", "0.01", "1e9", "--plot", str(tmp_path / "s.png"))["sweep"]
+    assert sweep[0]["hot_share"] == 1.0 and sweep[-1]["hot_share"] == 0.0
+
+
+def test_attribute_none_equals_unquantized_scan(small_dump):
+    dump, _ = small_dump
+    pairs, table = attribute(dump, Config(), 5, variants={"none": ATTRIBUTE_VARIANTS["none"]})
+    unq = run_pairs(dump, Config(quant_q=False, quant_k=False, quant_p=False, quant_v=False), pairs)
+    assert table["none"]["cos"] == pytest.approx(unq.cos.tolist(), rel=1e-12, abs=0)
+
+
+def test_attribute_cli(capsys, small_dump):
+    _, path = small_dump
+    out = run_json(capsys, "attribute", path, "--worst", "4")
+    assert set(out["variants"]) == set(ATTRIBUTE_VARIANTS) and len(out["pairs"]) == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["scan", "/nonexistent.apadump"], "No such file"),
+    (["scan", "--rows", "9999:10000"], "--rows"),
+    (["scan", "--config", "mma=sm100"], "config.mma"),
+    (["scan", "--config", "bogus=1"], "--config"),
+])
+def test_errors_are_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
