@@ -206,3 +206,14 @@ def test_bad_config_raises(bad):
     with pytest.raises(ValueError, match="config"):
         Config(**bad)
 
+
+
+def test_head_dim_256_and_batch():
+    """d = 256 runs through every step; a batch entry equals the same problem run alone."""
+    a = synthetic(24, 200, 4, 2, 256, seed=21)
+    b = synthetic(24, 200, 4, 2, 256, seed=22)
+    batched = attention(np.stack([a.q, b.q]), np.stack([a.k, b.k]), np.stack([a.v, b.v]), a.q_offset, Config())
+    alone = attention(b.q, b.k, b.v, b.q_offset, Config())
+    assert np.array_equal(batched.out[1].view(np.uint16), alone.out.view(np.uint16))
+    cos, _ = pair_metrics(alone.out, reference(b.q, b.k, b.v, b.q_offset))
+    assert cos.min() > 0.99
