@@ -183,21 +183,21 @@ class Llama:
         captured = {}
         for i, L in enumerate(self.layers):
             h = _rms_norm(x, L["attn_norm"], hp.rms_eps)
-            qkv = h @ L["wqkv"].T
+            qkv = h @ L["wqkv"].T  # ok: model forward pass, not bit-exact
             q = _rope(qkv[:, :nq].reshape(T, hp.n_head, hp.head_dim), cos, sin)
             k = _rope(qkv[:, nq : nq + nk].reshape(T, hp.n_head_kv, hp.head_dim), cos, sin)
             v = np.ascontiguousarray(qkv[:, nq + nk :].reshape(T, hp.n_head_kv, hp.head_dim))
             if i in capture:
                 captured[i] = (q, k, v)
-            x = x + causal_attention(q, k, v).reshape(T, nq) @ L["wo"].T
+            x = x + causal_attention(q, k, v).reshape(T, nq) @ L["wo"].T  # ok: model forward pass, not bit-exact
             h = _rms_norm(x, L["ffn_norm"], hp.rms_eps)
-            gu = h @ L["wgu"].T
+            gu = h @ L["wgu"].T  # ok: model forward pass, not bit-exact
             gate, up = gu[:, : hp.n_ff], gu[:, hp.n_ff :]
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["wdown"].T
+            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["wdown"].T  # ok: model forward pass, not bit-exact
         return _rms_norm(x, self.out_norm, hp.rms_eps), captured
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return hidden @ self.out.T
+        return hidden @ self.out.T  # ok: model forward pass, not bit-exact
 
     def token_nll(self, tokens) -> np.ndarray:
         """Negative log-likelihood (nats) of tokens[1:], each given the tokens before it."""
@@ -250,13 +250,13 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int 
         m = e - s
         last = q_offset + e
         qc = q[s:e].reshape(m, nkv, g, d).transpose(1, 2, 0, 3).reshape(nkv, g * m, d)
-        sc = (qc @ kt[:, :, :last]).reshape(nkv, g, m, last) * scale
+        sc = (qc @ kt[:, :, :last]).reshape(nkv, g, m, last) * scale  # ok: model forward pass, not bit-exact
         future = np.arange(last)[None, :] > (q_offset + np.arange(s, e))[:, None]
         sc[:, :, future] = -np.inf
         sc -= sc.max(axis=-1, keepdims=True)
         np.exp(sc, out=sc)
         sc /= sc.sum(axis=-1, keepdims=True)
-        o = sc.reshape(nkv, g * m, last) @ vh[:, :last]
+        o = sc.reshape(nkv, g * m, last) @ vh[:, :last]  # ok: model forward pass, not bit-exact
         out[s:e] = o.reshape(nkv, g, m, d).transpose(2, 0, 1, 3).reshape(m, nh, d)
     return out
 
@@ -368,7 +368,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w  # ok: model forward pass, not bit-exact
 
 
 def main(argv=None) -> int:

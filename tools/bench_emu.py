@@ -1,10 +1,13 @@
-"""Benchmark the emulator: seconds per warp at 122880 keys (d = 128) and a small full dump.
+"""Benchmark the emulator: seconds per warp at 122880 keys (d = 128) and peak memory on a full dump.
 
     python tools/bench_emu.py [--keys 122880] [--models sm90 exact] [--reps 3]
 
-Reports the median over ``--reps`` runs of one warp (16 packed rows at the end of the context, so it
-visits every tile), the peak resident memory of the process, and the time of a small full dump. Runs
-single-threaded (one core), after a warm-up that compiles the Numba kernels.
+1. One warp: 16 packed rows at the end of the context (one head), so it visits every tile. Prep of
+   its KV head is timed apart from the warp (prep is shared by all warps of a head). Wall and CPU
+   seconds per run, median over ``--reps``; single process, after a warm-up that compiles Numba.
+2. Memory: a Llama-3.2-3B-shaped dump (2048 query rows, 24/8 heads, d = 128) over ``--keys`` keys,
+   one warp per KV head through ``attention`` (prep of all 8 heads, streamed one at a time). Peak
+   resident memory of the process, which includes the dump itself.
 """
 
 from __future__ import annotations
@@ -17,33 +20,43 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apa_emu import Config, attention  # noqa: E402
+from apa_emu.api import _Runner, _warps  # noqa: E402
 from apa_emu.prep import prepare  # noqa: E402
-from apa_emu.synth import synthetic  # noqa: E402
+from apa_emu.synth import synthetic, synthetic_preset  # noqa: E402
 
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def one_warp(keys: int, model: str, reps: int) -> tuple[list[float], list[float], float]:
-    """16 query rows of one head at the end of the context: one warp that visits all keys/64 tiles.
-    Returns (prep seconds, seconds of the whole call, hot share) per run; the warp is the difference."""
+def timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def one_warp(keys: int, model: str, reps: int):
     dump = synthetic(16, keys, 1, 1, 128, seed=1, q_offset=keys - 16)
     cfg = Config(mma=model)
-    preps, totals = [], []
+    prep_t, warp_t = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        prepare(dump.q, dump.k, dump.v, dump.q_offset, cfg)
-        preps.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        res = attention(dump.q, dump.k, dump.v, dump.q_offset, cfg)
-        totals.append(time.perf_counter() - t0)
-    return preps, totals, res.hot_share
+        prep, wall, cpu = timed(lambda: prepare(dump.q, dump.k, dump.v, dump.q_offset, cfg))
+        prep_t.append((wall, cpu))
+        runner = _Runner(prep, cfg, None)
+        (wp,) = list(_warps(prep, 0, 0))
+        res, wall, cpu = timed(lambda: runner.run(wp))
+        warp_t.append((wall, cpu))
+    return prep_t, warp_t, res["nhot"] / res["active"]
+
+
+def row(case, model, runs):
+    wall = statistics.median(r[0] for r in runs)
+    cpu = statistics.median(r[1] for r in runs)
+    detail = ", ".join(f"{w:.2f}/{c:.2f}" for w, c in runs)
+    print(f"| {case} | {model} | {wall:.2f} | {cpu:.2f} | {detail} |")
 
 
 def main() -> None:
@@ -51,30 +64,29 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=122880)
     ap.add_argument("--models", nargs="+", default=["sm90", "exact"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dump", default="512x2048", help="small full dump: QUERIESxKEYS (24/8 heads, d=128)")
     args = ap.parse_args()
 
-    warm = synthetic(16, 256, 1, 1, 128, seed=0, q_offset=240)
+    warm = synthetic(16, 256, 1, 1, 128, seed=0)
     for model in args.models:
         attention(warm.q, warm.k, warm.v, warm.q_offset, Config(mma=model))
 
-    print(f"# machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, 1 worker")
-    print("| case | model | median s | runs (s) |")
-    print("|---|---|---|---|")
+    print(f"# {platform.machine()}, python {platform.python_version()}, one process")
+    print("| case | model | median wall s | median CPU s | runs (wall/CPU s) |")
+    print("|---|---|---|---|---|")
     for model in args.models:
-        preps, totals, share = one_warp(args.keys, model, args.reps)
-        warp = [t - p for t, p in zip(totals, preps)]
-        print(f"| prep of one KV head, {args.keys} keys | {model} | {statistics.median(preps):.2f} | "
-              f"{', '.join(f'{t:.2f}' for t in preps)} |")
-        print(f"| one warp, {args.keys} keys, d=128, hot share {share:.3f} | {model} | {statistics.median(warp):.2f} | "
-              f"{', '.join(f'{t:.2f}' for t in warp)} |")
-    nq, nk = (int(x) for x in args.dump.split("x"))
-    dump = synthetic(nq, nk, 24, 8, 128, seed=2, q_offset=nk - nq)
-    t0 = time.perf_counter()
-    res = attention(dump.q, dump.k, dump.v, dump.q_offset, Config())
-    dt = time.perf_counter() - t0
-    print(f"| full dump {nq}x{nk}, 24/8 heads | sm90 | {dt:.2f} | 1 (hot share {res.hot_share:.3f}) |")
-    print(f"# peak RSS {peak_rss_gib():.2f} GiB")
+        prep_t, warp_t, share = one_warp(args.keys, model, args.reps)
+        row(f"prep of one KV head, {args.keys} keys", model, prep_t)
+        row(f"one warp, {args.keys} keys, d=128 (hot share {share:.3f})", model, warp_t)
+
+    dump = synthetic_preset("llama-3.2-3b", 2048, args.keys, seed=2)
+    G = dump.q.shape[1] // dump.k.shape[1]
+    last_warp = (2048 * G) // 16 - 1
+    picks = [(0, hk, last_warp) for hk in range(dump.k.shape[1])]
+    _, wall, cpu = timed(lambda: attention(dump.q, dump.k, dump.v, dump.q_offset, Config(), warps=picks))
+    print(f"| Llama-3.2-3B-shaped dump, 2048 x {args.keys}, prep of 8 KV heads + 8 warps | sm90 | "
+          f"{wall:.2f} | {cpu:.2f} | 1 run |")
+    print(f"# peak RSS of the process: {peak_rss_gib():.2f} GiB "
+          f"(the dump itself: {(dump.q.nbytes + dump.k.nbytes + dump.v.nbytes) / 2**30:.2f} GiB)")
 
 
 if __name__ == "__main__":
