@@ -1,0 +1,264 @@
+"""Compile ``cuda/`` with nvcc into cached cubins (one per build variant).
+
+The kernel must be built with our own flags (numerics.md §1.2): CuPy's NVRTC path always adds
+``-ftz=true``, which would flush binary32 subnormals. So nvcc compiles each variant to a cubin, and
+``cupy.RawModule(path=...)`` loads it.
+
+Cache: ``$APA_GPU_CACHE`` or ``~/.cache/apa_gpu``; the file name carries a hash of every file in
+``cuda/``, the flags, the variant's defines and the nvcc version, so an edit anywhere rebuilds.
+
+``APA_GPU_SIM=1`` builds the CPU simulator instead (``cuda/sim/``: the same kernel sources compiled
+by g++ into a shared library, run by ``apa_gpu/simshim``), for checking everything but the tensor
+cores without a GPU.
+
+CLI::
+
+    python -m apa_gpu.build            # build every variant (parallel) into the cache
+    python -m apa_gpu.build --report   # the same, then print each kernel's registers and spills
+    python -m apa_gpu.build --check    # compile every variant into a temporary dir, nothing cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+
+# numerics.md §1: no FMA contraction, subnormals kept, correctly rounded division.
+FLAGS = (
+    "-cubin",
+    "-arch=sm_90",
+    "-O3",
+    "-std=c++17",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+    "-lineinfo",
+)
+
+SUPPORTED_D = (64, 128)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled variant of ``cuda/apa.cu`` (everything else is a run-time argument)."""
+
+    d: int = 128
+    trace: bool = False
+    p2_f32: bool = False
+    exp2_fast: bool = False
+
+    def defines(self) -> tuple[str, ...]:
+        return (
+            f"-DAPA_D={self.d}",
+            f"-DAPA_TRACE={int(self.trace)}",
+            f"-DAPA_P2_F32={int(self.p2_f32)}",
+            f"-DAPA_EXP2_FAST={int(self.exp2_fast)}",
+        )
+
+    @property
+    def name(self) -> str:
+        return f"apa_d{self.d}_t{int(self.trace)}_p{int(self.p2_f32)}_e{int(self.exp2_fast)}"
+
+
+PROBE = "probe"  # cuda/probe.cu: MMA and primitive probes for the tests
+
+
+def all_variants() -> list[Variant]:
+    return [
+        Variant(d, trace, p2, fast)
+        for d in SUPPORTED_D
+        for trace in (False, True)
+        for p2 in (False, True)
+        for fast in (False, True)
+    ]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def find_nvcc() -> str:
+    """nvcc from $APA_NVCC, PATH, $CUDA_PATH/$CUDA_HOME or /usr/local/cuda."""
+    cands = [os.environ.get("APA_NVCC"), shutil.which("nvcc")]
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            cands.append(str(Path(os.environ[env]) / "bin" / "nvcc"))
+    cands.append("/usr/local/cuda/bin/nvcc")
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise BuildError("nvcc not found: set APA_NVCC or put the CUDA toolkit's bin/ on PATH")
+
+
+@lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    r = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise BuildError(f"{nvcc} --version failed: {r.stderr.strip()}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("APA_GPU_CACHE")
+    return Path(d).expanduser() if d else Path.home() / ".cache" / "apa_gpu"
+
+
+def sources_hash() -> str:
+    h = hashlib.sha256()
+    for p in sorted(CUDA_DIR.rglob("*")):
+        if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            h.update(str(p.relative_to(CUDA_DIR)).encode())
+            h.update(b"\0")
+            h.update(p.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+# ---- CPU simulator (cuda/sim) --------------------------------------------------------------
+SIM_FLAGS = ("-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread",
+             "-Wno-unknown-pragmas", "-DAPA_SIM")
+
+
+def sim_enabled() -> bool:
+    return os.environ.get("APA_GPU_SIM", "") not in ("", "0")
+
+
+def build_sim(variant=Variant()) -> Path:
+    """The simulator library of ``variant`` (g++), cached like the cubins."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or "g++"
+    if variant == PROBE:
+        src, defines, name = CUDA_DIR / "sim" / "sim_probe.cpp", (), "sim_probe"
+    else:
+        src, defines, name = CUDA_DIR / "sim" / "sim_apa.cpp", variant.defines(), "sim_" + variant.name
+    ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
+    h = hashlib.sha256()
+    for part in (sources_hash(), src.name, " ".join(SIM_FLAGS), " ".join(defines), *ver):
+        h.update(part.encode())
+        h.update(b"\0")
+    path = cache_dir() / f"{name}-{h.hexdigest()[:20]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *SIM_FLAGS, *defines, "-o", tmp, str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise BuildError(f"simulator build failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _source_and_defines(variant) -> tuple[Path, tuple[str, ...], str]:
+    if variant == PROBE:
+        return CUDA_DIR / "probe.cu", (), "probe"
+    return CUDA_DIR / "apa.cu", variant.defines(), variant.name
+
+
+def _key(nvcc: str, defines: tuple[str, ...], src: Path) -> str:
+    h = hashlib.sha256()
+    for part in (sources_hash(), src.name, " ".join(FLAGS), " ".join(defines), nvcc_version(nvcc)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def compile_to(variant, out: Path, *, verbose: bool = False, extra: tuple[str, ...] = ()) -> str:
+    """Compile one variant to ``out``; returns the compiler's diagnostic output."""
+    nvcc = find_nvcc()
+    src, defines, _ = _source_and_defines(variant)
+    cmd = [nvcc, *FLAGS, *defines, *extra, "-o", str(out), str(src)]
+    if verbose:
+        cmd.insert(1, "-Xptxas=-v")
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise BuildError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
+    return r.stdout + r.stderr
+
+
+def build(variant=Variant()) -> Path:
+    """The cubin of ``variant`` (a Variant or PROBE), compiled on first use and cached (the
+    simulator library instead when APA_GPU_SIM is set)."""
+    if sim_enabled():
+        return build_sim(variant)
+    nvcc = find_nvcc()
+    src, defines, name = _source_and_defines(variant)
+    path = cache_dir() / f"{name}-{_key(nvcc, defines, src)}.cubin"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        log = compile_to(variant, Path(tmp), verbose=True)
+        path.with_suffix(".log").write_text(log)
+        os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def ptxas_report(text: str) -> list[str]:
+    """The per-kernel lines of a -Xptxas=-v log: name, registers, stack, spills."""
+    lines, name = [], None
+    for line in text.splitlines():
+        if "Compiling entry function" in line:
+            name = line.split("'")[1]
+        elif "spill" in line and name:
+            spill = line.strip()
+        elif "Used" in line and name:
+            lines.append(f"{name:20s} {line.split(':', 1)[1].strip()}; {spill}")
+            name = None
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="compile every variant to a temp dir and report")
+    ap.add_argument("--report", action="store_true", help="print the ptxas report of every cached variant")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 4)
+    args = ap.parse_args(argv)
+    variants = [PROBE, *all_variants()]
+    if args.check:
+        with tempfile.TemporaryDirectory() as td:
+            def one(v):
+                name = _source_and_defines(v)[2]
+                return name, compile_to(v, Path(td) / f"{name}.cubin", verbose=True)
+
+            with ThreadPoolExecutor(args.j) as ex:
+                results = list(ex.map(one, variants))
+        for name, log in results:
+            print(f"== {name}")
+            for line in ptxas_report(log):
+                print("  " + line)
+        return 0
+    with ThreadPoolExecutor(args.j) as ex:
+        paths = list(ex.map(build, variants))
+    for v, p in zip(variants, paths):
+        print(p)
+        log = p.with_suffix(".log")
+        if args.report and log.is_file():
+            for line in ptxas_report(log.read_text()):
+                print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

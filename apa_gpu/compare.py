@@ -1,0 +1,179 @@
+"""Kernel-vs-emulator comparison, reproducer files and their replay (tests/test_gpu_kernel.py).
+
+A reproducer is an ``.npz`` with q, k, v, q_offset, the config as JSON and the trace request;
+``python -m apa_gpu.replay FILE`` reruns both sides and prints the first divergence, after
+comparing the prep outputs stage by stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from apa_emu import trace as tr
+from apa_emu.config import Config
+
+_NAN16, _NAN32 = np.uint16(0x7FFF), np.uint32(0x7FFFFFFF)
+
+
+def canon_nan(a: np.ndarray) -> np.ndarray:
+    """A copy with every NaN replaced by the canonical NaN of its width.
+
+    NaN payloads are not part of numerics.md: NumPy propagates an operand's payload where the GPU
+    writes its canonical NaN. Every other bit pattern (including -0) is compared as it is.
+    """
+    a = np.array(a, copy=True)
+    if a.dtype.names:
+        for name in a.dtype.names:
+            a[name] = canon_nan(a[name])
+        return a
+    if a.dtype == np.float16:
+        a[np.isnan(a)] = _NAN16.view(np.float16)
+    elif a.dtype == np.float32:
+        a[np.isnan(a)] = _NAN32.view(np.float32)
+    return a
+
+
+def _scalar_fields_as_1d(recs: np.ndarray) -> np.ndarray:
+    """A copy whose scalar float fields are 1-element subarrays: apa_emu.trace.first_difference views
+    each field value as bytes, which NumPy refuses for a 0-d value (the row records' m1, l1, ...)."""
+    fields = []
+    for name in recs.dtype.names:
+        dt, _ = recs.dtype.fields[name][:2]
+        if dt.kind == "f" and dt.shape == ():
+            fields.append((name, dt, (1,)))
+        else:
+            fields.append((name, dt))
+    out = np.zeros(recs.shape, fields)
+    for name in recs.dtype.names:
+        out[name] = recs[name].reshape(out[name].shape)
+    return out
+
+
+def _record_divergence(where, emu_recs, gpu_recs, fields, keys):
+    """apa_emu.trace.first_difference on NaN-canonical copies, with the record's keys and the two
+    values named (first_difference's own dict reuses the key 'b' for the second value)."""
+    d = tr.first_difference(_scalar_fields_as_1d(canon_nan(emu_recs)), _scalar_fields_as_1d(canon_nan(gpu_recs)),
+                            fields, keys=keys)
+    if d is None:
+        return None
+    if d.get("field") == "shape":
+        return {"where": where, "field": "shape", "emulator": d["a"], "gpu": d["b"]}
+    i = d["record"]
+    out = {"where": where, "record": i}
+    out.update({k: int(emu_recs[k][i]) for k in keys})
+    out["field"] = d["field"]
+    a, b = np.atleast_1d(canon_nan(np.asarray(d["a"]))), np.atleast_1d(canon_nan(np.asarray(d["b"])))
+    if a.dtype.kind == "f" and a.shape == b.shape and a.size > 1:
+        j = int(np.flatnonzero(a.view(f"u{a.itemsize}") != b.view(f"u{b.itemsize}"))[0])
+        out["row in warp" if where == "visits" else "channel"] = j
+        a, b = a[j], b[j]
+    elif a.size == 1:
+        a, b = a[0], b[0]
+    out.update(emulator=a, gpu=b)
+    if isinstance(a, np.floating):
+        out.update(emulator_bits=hex(int(np.asarray(a).view(f"u{a.itemsize}"))),
+                   gpu_bits=hex(int(np.asarray(b).view(f"u{b.itemsize}"))))
+    return out
+
+
+def first_divergence(emu, gpu) -> dict | None:
+    """The first difference between two Results, in the order the kernel computes: pass-1 visit
+    records (b, hk, warp, visit, field), hot masks, row records (b, hk, row, field), the output."""
+    if (emu.visits is None) != (gpu.visits is None):
+        return {"where": "visits", "field": "presence", "emulator": emu.visits is not None,
+                "gpu": gpu.visits is not None}
+    if emu.visits is not None:
+        d = _record_divergence("visits", emu.visits, gpu.visits, ("b", "hk", "warp", "visit") + tr.VISIT_FIELDS,
+                               ("b", "hk", "warp", "visit"))
+        if d is not None:
+            return d
+    if emu.hot.shape != gpu.hot.shape or not np.array_equal(emu.hot, gpu.hot):
+        if emu.hot.shape != gpu.hot.shape:
+            return {"where": "hot", "field": "shape", "emulator": emu.hot.shape, "gpu": gpu.hot.shape}
+        idx = tuple(int(i) for i in np.argwhere(emu.hot != gpu.hot)[0])
+        return {"where": "hot", "index (b, hk, warp, word)": idx, "emulator": hex(int(emu.hot[idx])),
+                "gpu": hex(int(gpu.hot[idx]))}
+    if (emu.rows is None) != (gpu.rows is None):
+        return {"where": "rows", "field": "presence", "emulator": emu.rows is not None, "gpu": gpu.rows is not None}
+    if emu.rows is not None:
+        d = _record_divergence("rows", emu.rows, gpu.rows, ("b", "hk", "row") + tr.ROW_FIELDS, ("b", "hk", "row"))
+        if d is not None:
+            return d
+    a, b = canon_nan(emu.out), canon_nan(gpu.out)
+    if a.shape != b.shape:
+        return {"where": "out", "field": "shape", "emulator": a.shape, "gpu": b.shape}
+    bad = np.argwhere(a.view(np.uint16) != b.view(np.uint16))
+    if bad.size:
+        idx = tuple(int(i) for i in bad[0])
+        return {"where": "out", "index": idx, "count": len(bad), "emulator": a[idx], "gpu": b[idx]}
+    return None
+
+
+def describe(div: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in div.items())
+
+
+def config_to_json(cfg: Config) -> str:
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def config_from_json(text: str) -> Config:
+    return Config(**json.loads(text))
+
+
+def repro_dir() -> Path:
+    return Path(os.environ.get("APA_GPU_REPRO_DIR", "/tmp/apa_gpu_repro"))
+
+
+def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "") -> Path:
+    """Write an .npz reproducer named by a hash of its content; returns its path."""
+    h = hashlib.sha256()
+    for x in (q, k, v):
+        h.update(np.ascontiguousarray(x).tobytes())
+    cfg_json = config_to_json(cfg)
+    h.update(f"{q_offset}|{cfg_json}|{trace}".encode())
+    path = repro_dir() / f"apa_gpu_{h.hexdigest()[:16]}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, q=q, k=k, v=v, q_offset=np.int64(q_offset), config=cfg_json,
+                        trace=json.dumps(trace), note=note)
+    return path
+
+
+def load_reproducer(path):
+    z = np.load(path, allow_pickle=False)
+    trace = json.loads(str(z["trace"]))
+    if isinstance(trace, list):
+        trace = [tuple(t) for t in trace]
+    return dict(q=z["q"], k=z["k"], v=z["v"], q_offset=int(z["q_offset"]), config=config_from_json(str(z["config"])),
+                trace=trace)
+
+
+def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:
+    """The first prep output (numerics.md §5) where kernel and emulator differ, or None."""
+    from apa_emu.api import validate
+    from apa_emu.prep import prepare
+
+    from .launch import prep_arrays
+
+    qb, kb, vb, _ = validate(q, k, v, q_offset)
+    gpu = prep_arrays(qb, kb, vb, q_offset, cfg)
+    for b in range(qb.shape[0]):
+        p = prepare(qb[b], kb[b], vb[b], int(q_offset), cfg)
+        for name, emu in (("kmean", p.kmean), ("kg", p.kg), ("vg", p.vg), ("qhat", p.qhat), ("cq", p.cq),
+                          ("sh", p.sh), ("khat", p.khat), ("vhat_t", p.vhat_t)):
+            g = np.asarray(gpu[name][b], np.float32)
+            e = np.asarray(emu, np.float32)
+            if g.shape != e.shape:
+                return f"prep {name} (batch {b}): shape gpu {g.shape} vs emulator {e.shape}"
+            bad = np.argwhere(canon_nan(g).view(np.uint32) != canon_nan(e).view(np.uint32))
+            if bad.size:
+                i = tuple(int(x) for x in bad[0])
+                return (f"prep {name} (batch {b}) differs at {i} ({len(bad)} elements): gpu {g[i]!r} "
+                        f"vs emulator {e[i]!r}")
+    return None

@@ -1,0 +1,38 @@
+"""Replay a reproducer: ``python -m apa_gpu.replay FILE.npz``.
+
+Runs the emulator and the kernel on the saved inputs and config, compares the prep outputs stage
+by stage (numerics.md §5), then the whole run (visits, hot masks, rows, output), and prints the
+first divergence. Exit status 0 when everything is bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import apa_emu
+
+from . import launch
+from .compare import describe, first_divergence, load_reproducer, prep_divergence
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--workers", type=int, default=1, help="emulator worker processes")
+    ap.add_argument("--schedule", default="separate", choices=launch.SCHEDULES, help="kernel launch schedule")
+    args = ap.parse_args(argv)
+    r = load_reproducer(args.file)
+    q, k, v, off, cfg, trace = r["q"], r["k"], r["v"], r["q_offset"], r["config"], r["trace"]
+    print(f"q {q.shape} k {k.shape} q_offset {off}\nconfig {cfg}")
+    prep = prep_divergence(q, k, v, off, cfg)
+    print("prep: " + (prep or "bitwise equal"))
+    emu = apa_emu.attention(q, k, v, off, cfg, trace=trace, workers=args.workers)
+    gpu = launch.attention(q, k, v, off, cfg, trace=trace, schedule=args.schedule)
+    div = first_divergence(emu, gpu)
+    print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
+    return 0 if div is None and prep is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

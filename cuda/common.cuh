@@ -1,0 +1,80 @@
+// common.cuh: geometry of the APA kernels (docs/numerics.md §6) and shared constants.
+#pragma once
+
+#include <stdint.h>
+#include "fpmath.cuh"
+
+#ifndef APA_D
+#error "APA_D (head dim, 64 or 128) must be defined by the build"
+#endif
+#if APA_D != 64 && APA_D != 128
+#error "APA_D must be 64 or 128"
+#endif
+#ifndef APA_TRACE
+#define APA_TRACE 0
+#endif
+#ifndef APA_P2_F32
+#define APA_P2_F32 0
+#endif
+
+// The kernels' dynamic shared memory (the simulator hands out a per-CTA host buffer instead).
+#ifdef APA_SIM
+#define APA_DYNAMIC_SMEM(name) uint16_t* name = reinterpret_cast<uint16_t*>(::apa_sim::dynamic_smem())
+#else
+#define APA_DYNAMIC_SMEM(name) extern __shared__ __align__(16) uint16_t name[]
+#endif
+
+namespace apa {
+
+constexpr int D = APA_D;
+constexpr int TILE = 64;              // keys per tile (§6.3)
+constexpr int WARPS = 12;             // warps per CTA (§6.2)
+constexpr int ROWS_PER_CTA = 16 * WARPS;
+constexpr int THREADS = 32 * WARPS;
+constexpr int LDS = D + 8;            // padded shared-memory row (halves): conflict-free ldmatrix
+constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
+
+// Runtime geometry of one call (numerics.md §6.1-6.3), derived from the basic sizes.
+struct Geom {
+    int n, H, Hkv, G, S, q_offset;
+    int R;      // packed rows per (b, hk): n * G
+    int nw;     // warps per (b, hk): ceil(R / 16)
+    int Rp;     // padded rows: 16 * nw
+    int ntkv;   // tiles: ceil(S / 64)
+    int W;      // hot-mask words per warp: ceil(ntkv / 32)
+
+    __device__ __forceinline__ Geom(int n_, int H_, int Hkv_, int S_, int q_offset_)
+        : n(n_), H(H_), Hkv(Hkv_), G(H_ / Hkv_), S(S_), q_offset(q_offset_) {
+        R = n * G;
+        nw = (R + 15) / 16;
+        Rp = 16 * nw;
+        ntkv = (S + TILE - 1) / TILE;
+        W = (ntkv + 31) / 32;
+    }
+    // Key limit of packed row r (§6.1): min(q_offset + r div G, S - 1). 64-bit safe.
+    __device__ __forceinline__ int lim(int r) const {
+        long long p = (long long)q_offset + r / G;
+        return p < (long long)(S - 1) ? (int)p : S - 1;
+    }
+    // Last active tile T_w of warp w (§6.3): min(p_wmax div 64, ntkv - 1).
+    __device__ __forceinline__ int last_tile(int w) const {
+        int rmax = min(16 * w + 15, R - 1);
+        long long p = (long long)q_offset + rmax / G;
+        long long t = p / TILE;
+        return t < (long long)(ntkv - 1) ? (int)t : ntkv - 1;
+    }
+};
+
+// Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are
+// stored in slot order, so P group g is slots 16g..16g+15 for both groupings.
+//   consecutive: slot j is key j.
+//   interleaved: group g = j >> 4, i = j & 15 (keys of the group in increasing order):
+//                key = 32 (g >> 1) + 8 (i >> 2) + 4 (g & 1) + (i & 3),
+//                which satisfies g(key) = 2 (key div 32) + ((key div 4) mod 2) = g.
+__device__ __forceinline__ int slot_key(int j, bool interleaved) {
+    if (!interleaved) return j;
+    const int g = j >> 4, i = j & 15;
+    return 32 * (g >> 1) + 8 * (i >> 2) + 4 * (g & 1) + (i & 3);
+}
+
+}  // namespace apa

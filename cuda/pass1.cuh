@@ -1,0 +1,334 @@
+// pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of 12 warps (§6.2).
+//
+// Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
+// ("hi") of the warp: m, la, lc replicated over the 4 lanes of the quad, and o as the f32
+// accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction below
+// is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
+#pragma once
+
+#include "common.cuh"
+#include "formats.cuh"
+#include "mma.cuh"
+
+namespace apa {
+
+struct Pass1Args {
+    const uint16_t* qhat;
+    const float* cq;
+    const uint16_t* khat;
+    const uint16_t* vhat;
+    const float* scales;
+    float* part;             // [B, Hkv, Rp, D]
+    float* ml;               // [B, Hkv, Rp, 2] = (m1, l1)
+    uint32_t* hot;           // [B, Hkv, nw, W], zeroed by the host
+    uint8_t* trace_visits;   // VISIT_DTYPE records (trace builds)
+    const int* visit_base;   // [B, Hkv, nw]: first record index of the warp, -1 = not traced
+    float eps, delta, tau, A, L, Kf;
+    int ascending;           // tile order (§6.4): 0 = diagonal, 1 = ascending
+    int pow2;                // P scale kind (§7.4): 0 = ue4m3, 1 = pow2
+    int interleaved;         // P groups (§7.3)
+    int quant_p;             // §7.5
+};
+
+// VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
+// then c, m, tl, la, lc as 16 binary32 each.
+constexpr int VISIT_BYTES = 24 + 5 * 16 * 4;
+constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280;
+
+// Shared memory: two pipeline stages (K̂ and V̂ of one tile each), then the CTA's Q̂ rows; rows
+// of LDS halves. Q̂ stays in shared memory (A fragments by ldmatrix per k-step) to spare registers.
+constexpr int P1_STAGE_HALVES = 2 * TILE * LDS;
+constexpr int P1_Q_HALVES = ROWS_PER_CTA * LDS;
+constexpr int P1_SMEM_BYTES = (2 * P1_STAGE_HALVES + P1_Q_HALVES) * 2;
+
+__device__ __forceinline__ void p1_load_tile(uint16_t* stage, const uint16_t* khat_t, const uint16_t* vhat_t) {
+    // 64 rows x D halves for K̂ then V̂: 16-byte chunks.
+    constexpr int CH_PER_ROW = D / 8;
+    constexpr int CHUNKS = 2 * TILE * CH_PER_ROW;
+    for (int c = threadIdx.x; c < CHUNKS; c += THREADS) {
+        const int which = c / (TILE * CH_PER_ROW);
+        const int rc = c % (TILE * CH_PER_ROW);
+        const int row = rc / CH_PER_ROW, col = (rc % CH_PER_ROW) * 8;
+        const uint16_t* src = (which ? vhat_t : khat_t) + (size_t)row * D + col;
+        cp_async16(stage + which * TILE * LDS + row * LDS + col, src, 16);
+    }
+}
+
+// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la.
+template <int NDN>
+__device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float (&o)[NDN][4], int half) {
+    if (x != m) {
+        const float alpha = exp2x(fsub(m, x));
+#pragma unroll
+        for (int dn = 0; dn < NDN; ++dn) {
+            o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
+            o[dn][2 * half + 1] = fmul(o[dn][2 * half + 1], alpha);
+        }
+        lc = fmul(lc, alpha);
+        la = fmul(la, alpha);
+        m = x;
+    }
+}
+
+// P scale of one group (§7.4): returns bias, sets dec(kb).
+__device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float& scale) {
+    float u = fadd(fmul(gm, cq), fsub(a.A, c));
+    u = fminf(fmaxf(u, -6.0f), 8.0f);
+    const float fl = floorf(u);
+    const float Lc = fsub(a.L, c);
+    if (a.pow2) {
+        const float cu = ceilf(u);
+        scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
+        return fsub(Lc, cu);
+    }
+    const float e = exp2x(fsub(u, fl));
+    int mi = (int)ceilf(fmul(8.0f, fsub(e, 1.0f)));
+#if APA_EXP2_FAST
+    mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
+#endif
+    scale = ue4m3_dec((uint32_t)(8 * ((int)fl + 7) + mi));
+    return fsub(Lc, fadd(fl, lg2_table(mi)));
+}
+
+__device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, float lo, float hi, bool vlo, bool vhi) {
+    float* f = reinterpret_cast<float*>(rec + field);
+    f[g] = vlo ? lo : 0.0f;
+    f[g + 8] = vhi ? hi : 0.0f;
+}
+
+// One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk).
+__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
+                                          int qb) {
+    constexpr int NKS = D / 16;   // channel k-steps
+    constexpr int NDN = D / 8;    // channel n-tiles of o
+    const size_t bh = (size_t)b * geo.Hkv + hk;
+    const int lane = threadIdx.x & 31, wl = threadIdx.x >> 5;
+    const int g = lane >> 2, t0 = lane & 3;
+    const int w = qb * WARPS + wl;
+    const int row0 = 16 * w;
+    const bool warp_active = row0 < geo.R;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+    const bool v_lo = r_lo < geo.R, v_hi = r_hi < geo.R;
+    const int lim_lo = geo.lim(v_lo ? r_lo : geo.R - 1), lim_hi = geo.lim(v_hi ? r_hi : geo.R - 1);
+    const int Tw = warp_active ? geo.last_tile(w) : -1;
+    const int wlast = min(qb * WARPS + WARPS - 1, geo.nw - 1);
+    const int Tmax = geo.last_tile(wlast);
+    const bool inter = a.interleaved != 0;
+
+    // Q̂ of the warp's 16 rows into shared memory (§7.1; A fragments by ldmatrix below), c_q per row.
+    uint16_t* Qs = smem + 2 * P1_STAGE_HALVES + wl * 16 * LDS;
+    float cq_lo = 1.0f, cq_hi = 1.0f;
+    if (warp_active) {
+        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + row0) * D;  // rows row0..row0+15 (padded to Rp)
+        for (int c = lane; c < 16 * (D / 8); c += 32) {
+            const int row = c / (D / 8), col = (c % (D / 8)) * 8;
+            cp_async16(Qs + row * LDS + col, qsrc + (size_t)row * D + col, 16);
+        }
+        cq_lo = a.cq[bh * geo.Rp + r_lo];
+        cq_hi = a.cq[bh * geo.Rp + r_hi];
+    }
+    // (committed with the first tile's group below; visible after its wait and barrier)
+
+    float m_lo = neg_inf(), m_hi = neg_inf(), la_lo = 0.0f, la_hi = 0.0f, lc_lo = 0.0f, lc_hi = 0.0f;
+    float o[NDN][4];
+#pragma unroll
+    for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    int visit = 0;
+    [[maybe_unused]] uint8_t* trace_base = nullptr;
+#if APA_TRACE
+    if (warp_active) {
+        const int vb = a.visit_base[bh * geo.nw + w];
+        if (vb >= 0) trace_base = a.trace_visits + (size_t)vb * VISIT_BYTES;
+    }
+#endif
+
+    const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
+    const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
+    auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : Tmax + 1 - i; };
+
+    // Two-stage cp.async pipeline over the CTA's tile sequence (§6.4): warps skip t > T_w.
+    p1_load_tile(smem, khat_bh + (size_t)tile_of(0) * TILE * D, vhat_bh + (size_t)tile_of(0) * TILE * D);
+    cp_async_commit();
+    for (int i = 0; i <= Tmax; ++i) {
+        const int t = tile_of(i);
+        uint16_t* stage = smem + (i & 1) * P1_STAGE_HALVES;
+        if (i + 1 <= Tmax) {
+            const int tn = tile_of(i + 1);
+            p1_load_tile(smem + ((i + 1) & 1) * P1_STAGE_HALVES, khat_bh + (size_t)tn * TILE * D,
+                         vhat_bh + (size_t)tn * TILE * D);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (warp_active && t <= Tw) {
+            const uint16_t* Ks = stage;
+            const uint16_t* Vs = stage + TILE * LDS;
+            // §7.1 scores: per n-tile, a chain over channel k-steps ascending from C = +0.
+            float s[8][4];
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < NKS; ++ks) {
+                uint32_t qa[4];  // A fragment: rows g / g+8, channels 16ks + 2t0 (+8)
+                ldsm_x4(qa, Qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 16 * ks + 8 * (lane >> 4));
+#pragma unroll
+                for (int np = 0; np < 4; ++np) {
+                    uint32_t kb[4];
+                    ldsm_x4(kb, Ks + (8 * (2 * np + (lane >> 4)) + (lane & 7)) * LDS + 16 * ks + 8 * ((lane >> 3) & 1));
+                    mma_f32_acc(s[2 * np], qa, kb[0], kb[1]);
+                    mma_f32_acc(s[2 * np + 1], qa, kb[2], kb[3]);
+                }
+            }
+            // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
+            if (t * TILE + TILE - 1 > min(lim_lo, lim_hi)) {
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = t * TILE + slot_key(8 * nt + 2 * t0 + e, inter);
+                        if (key > lim_lo) s[nt][e] = neg_inf();
+                        if (key > lim_hi) s[nt][2 + e] = neg_inf();
+                    }
+                }
+            }
+            // §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima, lazy frame vote.
+            float gm_lo[4], gm_hi[4];
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                float x = fmaxf(fmaxf(s[2 * gi][0], s[2 * gi][1]), fmaxf(s[2 * gi + 1][0], s[2 * gi + 1][1]));
+                float y = fmaxf(fmaxf(s[2 * gi][2], s[2 * gi][3]), fmaxf(s[2 * gi + 1][2], s[2 * gi + 1][3]));
+                x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
+                x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
+                y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 1));
+                y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 2));
+                gm_lo[gi] = x;
+                gm_hi[gi] = y;
+            }
+            const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
+            const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
+            const bool trig = __any_sync(0xFFFFFFFFu, (v_lo && mx_lo > fadd(m_lo, a.tau)) ||
+                                                          (v_hi && mx_hi > fadd(m_hi, a.tau)));
+            const float c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
+            const float c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
+            // §7.4 P scales, §7.5 P', folded into FP16 A fragments (k-step kk = group kk).
+            // The 4 lanes of a quad share rows g and g+8: lane t0 computes the scales of group t0
+            // for both rows and the quad exchanges them (the same values, a quarter of the work).
+            float my_sc_lo, my_sc_hi;
+            const float gsel_lo = t0 == 0 ? gm_lo[0] : t0 == 1 ? gm_lo[1] : t0 == 2 ? gm_lo[2] : gm_lo[3];
+            const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
+            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, my_sc_lo);
+            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, my_sc_hi);
+            uint32_t pa[4][4];
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                const int src = (lane & ~3) | gi;
+                const float sc_lo = __shfl_sync(0xFFFFFFFFu, my_sc_lo, src);
+                const float sc_hi = __shfl_sync(0xFFFFFFFFu, my_sc_hi, src);
+                const float bias_lo = __shfl_sync(0xFFFFFFFFu, my_bias_lo, src);
+                const float bias_hi = __shfl_sync(0xFFFFFFFFu, my_bias_hi, src);
+                float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const bool hi = e >= 2;
+                        const float pp = exp2x(fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo));
+                        const float sc = hi ? sc_hi : sc_lo;
+                        ph[j][e] = a.quant_p ? fmul(e2m1_round(pp), sc) : fmul(pp, sc);
+                    }
+                }
+                pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
+                pa[gi][1] = f16x2(ph[0][2], ph[0][3]);
+                pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
+                pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
+            }
+            // §7.6 tile row sums: chain against ones over the 4 groups in slot order, from C = +0.
+            float tl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
+            const float tl_lo = tl4[0], tl_hi = tl4[2];
+            // §7.7 hot test (warp vote over valid rows).
+            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x(fsub(m_lo, c_lo));
+            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x(fsub(m_hi, c_hi));
+            const bool hp_lo = v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
+            const bool hp_hi = v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
+            const bool hot = __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
+            if (hot) {
+                // §7.8 hot branch.
+                const float f_lo = fmaxf(m_lo, fsub(c_lo, a.delta));
+                const float f_hi = fmaxf(m_hi, fsub(c_hi, a.delta));
+                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x(fsub(c_lo, f_lo));
+                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x(fsub(c_hi, f_hi));
+                p1_update(f_lo, m_lo, la_lo, lc_lo, o, 0);
+                p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
+                la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
+                la_hi = fadd(la_hi, fmul(tl_hi, b_hi));
+                if (lane == 0) a.hot[(bh * geo.nw + w) * geo.W + (t >> 5)] |= 1u << (t & 31);
+            } else {
+                // §7.8 cold branch.
+                p1_update(c_lo, m_lo, la_lo, lc_lo, o, 0);
+                p1_update(c_hi, m_hi, la_hi, lc_hi, o, 1);
+                la_lo = fadd(la_lo, tl_lo);
+                la_hi = fadd(la_hi, tl_hi);
+                lc_lo = fadd(lc_lo, tl_lo);
+                lc_hi = fadd(lc_hi, tl_hi);
+                // o = chain of P̂·V̂ over the 4 groups in slot order with C = o.
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                    for (int dp = 0; dp < NDN / 2; ++dp) {
+                        uint32_t vb[4];
+                        ldsm_x4_trans(vb, Vs + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDS +
+                                              8 * (2 * dp + (lane >> 4)));
+                        mma_f32_acc(o[2 * dp], pa[kk], vb[0], vb[1]);
+                        mma_f32_acc(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
+                    }
+                }
+            }
+#if APA_TRACE
+            if (trace_base != nullptr) {
+                uint8_t* rec = trace_base + (size_t)visit * VISIT_BYTES;
+                if (lane == 0) {
+                    int* hdr = reinterpret_cast<int*>(rec);
+                    hdr[0] = b; hdr[1] = hk; hdr[2] = w; hdr[3] = visit; hdr[4] = t;
+                    hdr[5] = hot ? 1 : 0;  // hot (u1) and the 3 padding bytes
+                }
+                if (t0 == 0) {
+                    p1_trace_rows(rec, VISIT_C, g, c_lo, c_hi, v_lo, v_hi);
+                    p1_trace_rows(rec, VISIT_M, g, m_lo, m_hi, v_lo, v_hi);
+                    p1_trace_rows(rec, VISIT_TL, g, tl_lo, tl_hi, v_lo, v_hi);
+                    p1_trace_rows(rec, VISIT_LA, g, la_lo, la_hi, v_lo, v_hi);
+                    p1_trace_rows(rec, VISIT_LC, g, lc_lo, lc_hi, v_lo, v_hi);
+                }
+            }
+#endif
+            ++visit;
+        }
+        __syncthreads();  // the stage is overwritten by the prefetch of iteration i + 1
+    }
+
+    // §7.10 export.
+    if (warp_active) {
+        const float kf = a.Kf;
+        const float vk = fmul(a.scales[bh * 2 + 1], kf);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = half ? r_hi : r_lo;
+            if (!(half ? v_hi : v_lo)) continue;
+            float* prow = a.part + (bh * geo.Rp + r) * D;
+#pragma unroll
+            for (int dn = 0; dn < NDN; ++dn) {
+                float2 val = make_float2(fmul(o[dn][2 * half], vk), fmul(o[dn][2 * half + 1], vk));
+                *reinterpret_cast<float2*>(prow + 8 * dn + 2 * t0) = val;
+            }
+            if (t0 == 0) {
+                a.ml[(bh * geo.Rp + r) * 2 + 0] = half ? m_hi : m_lo;
+                a.ml[(bh * geo.Rp + r) * 2 + 1] = fmul(half ? lc_hi : lc_lo, kf);
+            }
+        }
+    }
+}
+
+}  // namespace apa

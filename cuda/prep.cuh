@@ -1,0 +1,246 @@
+// prep.cuh: K mean, head scales, and the quantized pass-1 operands (docs/numerics.md §5).
+//
+// Layouts (all contiguous):
+//   q   [B, n, H, D] f16        k, v [B, S, Hkv, D] f16          (inputs)
+//   ksum [B, Hkv, D] u64 (two's complement int64 sums in units of 2^-24; zeroed by the host)
+//   amax [B, Hkv, 2] u32 (float bits of max|K|, max|V|; zeroed by the host)
+//   kmean [B, Hkv, D] f32; scales [B, Hkv, 2] f32 = (kg, vg)
+//   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
+//   khat, vhat [B, Hkv, ntkv*64, D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), rows of a
+//   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero.
+#pragma once
+
+#include "common.cuh"
+#include "formats.cuh"
+
+namespace apa {
+
+// An FP16 value as an exact integer in units of 2^-24 (numerics.md §1.4, §5.1).
+__device__ __forceinline__ long long f16_units(uint16_t bits) {
+    const int e = (bits >> 10) & 31, m = bits & 1023;
+    const long long mag = e == 0 ? (long long)m : ((long long)(1024 + m) << (e - 1));
+    return (bits & 0x8000u) ? -mag : mag;
+}
+
+// §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
+// grid (ceil(S / KEYS_PER_CHUNK), Hkv, B), block 256. Thread t: channel t % D, keys
+// chunk*KEYS_PER_CHUNK + t / D + j * (256 / D). Integer sums and maxima are order-free.
+constexpr int STATS_THREADS = 256;
+constexpr int KEYS_PER_CHUNK = 256;
+__device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+                                           unsigned long long* __restrict__ ksum, unsigned int* __restrict__ amax,
+                                           const Geom& g) {
+    const int b = blockIdx.z, hk = blockIdx.y, chunk = blockIdx.x;
+    const int c = threadIdx.x % D;
+    const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / D;
+    const int s1 = min(g.S, (chunk + 1) * KEYS_PER_CHUNK);
+    long long sum = 0;
+    float ak = 0.0f, av = 0.0f;
+    for (int s = s0; s < s1; s += STATS_THREADS / D) {
+        const size_t off = (((size_t)b * g.S + s) * g.Hkv + hk) * D + c;
+        const uint16_t kb = k[off], vb = v[off];
+        sum += f16_units(kb);
+        ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
+        av = fmaxf(av, fabsf(f32h(h_from_bits(vb))));
+    }
+    atomicAdd(&ksum[((size_t)b * g.Hkv + hk) * D + c], (unsigned long long)sum);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ak = fmaxf(ak, __shfl_xor_sync(0xFFFFFFFFu, ak, o));
+        av = fmaxf(av, __shfl_xor_sync(0xFFFFFFFFu, av, o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(&amax[((size_t)b * g.Hkv + hk) * 2 + 0], __float_as_uint(ak));
+        atomicMax(&amax[((size_t)b * g.Hkv + hk) * 2 + 1], __float_as_uint(av));
+    }
+}
+
+// up2 (numerics.md §5.2): the next power of two above x unless x is one (x positive, normal).
+__device__ __forceinline__ float up2(float x) {
+    uint32_t u = __float_as_uint(x);
+    if (u & 0x7FFFFFu) u = ((u >> 23) + 1u) << 23;
+    return __uint_as_float(u);
+}
+
+// §5.1 K mean and §5.2 head scales. grid (Hkv, B), block D.
+__device__ __forceinline__ void prep_finalize(const unsigned long long* __restrict__ ksum,
+                                              const unsigned int* __restrict__ amax, float* __restrict__ kmean,
+                                              float* __restrict__ scales, const Geom& g) {
+    __shared__ float red[D];
+    const int b = blockIdx.y, hk = blockIdx.x, c = threadIdx.x;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const long long sum = (long long)ksum[bh * D + c];
+    // f32( f64( f64(sum) ⊘64 f64(S) ) ·64 2^-24 )
+    const double q = __ddiv_rn(__ll2double_rn(sum), (double)g.S);
+    const float km = __double2float_rn(__dmul_rn(q, 5.9604644775390625e-08));
+    kmean[bh * D + c] = km;
+    red[c] = fabsf(km);
+    __syncthreads();
+    if (c == 0) {
+        float mk = 0.0f;
+        for (int i = 0; i < D; ++i) mk = fmaxf(mk, red[i]);  // exact, order-free
+        const float amaxK = __uint_as_float(amax[bh * 2 + 0]);
+        const float amaxV = __uint_as_float(amax[bh * 2 + 1]);
+        const float tiny = f32_from_bits(0x1E3CE508u);  // f32(1e-20)
+        const float kg = up2(fdiv(fmul(4.0f, fmaxf(fadd(amaxK, mk), tiny)), 2688.0f));
+        const float vg = up2(fdiv(fmul(4.0f, fmaxf(amaxV, tiny)), 2688.0f));
+        scales[bh * 2 + 0] = kg;
+        scales[bh * 2 + 1] = vg;
+    }
+}
+
+// §5.4 K̂ per key and 16-channel block. One thread per (tile slot row, block):
+// grid (ceil(ntkv*64*D/16 / 128), Hkv, B), block 128.
+__device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
+                                       const float* __restrict__ scales, uint16_t* __restrict__ khat,
+                                       const Geom& g, bool quant, bool lsq, bool interleaved) {
+    constexpr int NB = D / 16;
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)g.ntkv * TILE * NB) return;
+    const int row = (int)(idx / NB), cb = (int)(idx % NB);
+    const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
+    uint16_t* dst = khat + (bh * g.ntkv * TILE + row) * D + 16 * cb;
+    float x[16];
+    if (key < g.S) {
+        const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
+        const uint16_t* src = k + (((size_t)b * g.S + key) * g.Hkv + hk) * D + 16 * cb;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = fmul(fsub(f32h(h_from_bits(src[i])), kmean[bh * D + 16 * cb + i]), inv);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = 0.0f;
+    }
+    uint32_t out[8];
+    if (quant && key < g.S) {
+        uint32_t codes[16];
+        const uint32_t sb = quant16(x, codes, lsq);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = f16x2(q_value(codes[2 * i], sb), q_value(codes[2 * i + 1], sb));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = key < g.S ? f16x2(x[2 * i], x[2 * i + 1]) : 0u;
+    }
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// §5.5 V̂ per channel and P group of 16 keys (slot order). One thread per (tile, group, channel):
+// grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
+__device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
+                                       uint16_t* __restrict__ vhat, const Geom& g, bool quant, bool lsq,
+                                       bool interleaved) {
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)g.ntkv * 4 * D) return;
+    const int c = (int)(idx % D);
+    const int grp = (int)((idx / D) % 4);
+    const int t = (int)(idx / (4 * D));
+    const float inv = fdiv(1.0f, scales[bh * 2 + 1]);  // exact power of two
+    float x[16];
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const int key = t * TILE + slot_key(16 * grp + i, interleaved);
+        if (key < g.S) {
+            x[i] = fmul(f32h(h_from_bits(v[(((size_t)b * g.S + key) * g.Hkv + hk) * D + c])), inv);
+            any = true;
+        } else {
+            x[i] = 0.0f;
+        }
+    }
+    uint16_t* dst = vhat + (bh * g.ntkv * TILE + (size_t)t * TILE + 16 * grp) * D + c;
+    if (quant && any) {
+        uint32_t codes[16];
+        const uint32_t sb = quant16(x, codes, lsq);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int key = t * TILE + slot_key(16 * grp + i, interleaved);
+            dst[(size_t)i * D] = key < g.S ? h_bits(f16(q_value(codes[i], sb))) : (uint16_t)0;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const int key = t * TILE + slot_key(16 * grp + i, interleaved);
+            dst[(size_t)i * D] = key < g.S ? h_bits(f16(x[i])) : (uint16_t)0;
+        }
+    }
+}
+
+// §5.3 Q̂, c_q and the row shift sh. D/16 threads per packed row (one per 16-channel block):
+// grid (ceil(Rp * D/16 / 128), Hkv, B), block 128.
+// q_mode: 0 = NVFP4 (q_terms 1 or 2), 1 = FP8 E4M3, 2 = quantization off.
+__device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const float* __restrict__ kmean,
+                                       const float* __restrict__ scales, uint16_t* __restrict__ qhat,
+                                       float* __restrict__ cq, float* __restrict__ sh, const Geom& g, float qmul,
+                                       int q_mode, int q_terms, bool lsq) {
+    constexpr int NB = D / 16;
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
+    const int r = (int)(idx / NB), cb = (int)(idx % NB);
+    const bool in_range = r < g.Rp;
+    const bool valid = r < g.R;
+    const int i = valid ? r / g.G : 0;
+    const int h = hk * g.G + (valid ? r % g.G : 0);
+    const uint16_t* qrow = q + (((size_t)b * g.n + i) * g.H + h) * D;
+    float x[16];
+    float am = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        x[j] = valid ? fmul(f32h(h_from_bits(qrow[16 * cb + j])), qmul) : 0.0f;
+        am = fmaxf(am, fabsf(x[j]));
+    }
+    // Row maximum over the NB lanes of the row (exact, order-free).
+#pragma unroll
+    for (int o = 1; o < NB; o <<= 1) am = fmaxf(am, __shfl_xor_sync(0xFFFFFFFFu, am, o));
+    if (!in_range) return;
+    const float tiny = f32_from_bits(0x1E3CE508u);  // f32(1e-20)
+    const float qr = fdiv(fmaxf(am, tiny), q_mode == 1 ? 448.0f : 2688.0f);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) x[j] = fdiv(x[j], qr);
+    float qh[16];
+    if (q_mode == 0) {
+        uint32_t w1[16];
+        const uint32_t sb1 = quant16(x, w1, lsq);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qh[j] = q_value(w1[j], sb1);
+        if (q_terms == 2) {
+            float res[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) res[j] = fsub(x[j], qh[j]);
+            uint32_t w2[16];
+            const uint32_t sb2 = quant16(res, w2, lsq);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) qh[j] = fadd(qh[j], q_value(w2[j], sb2));  // exact in binary32
+        }
+    } else if (q_mode == 1) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qh[j] = e4m3_value(e4m3_code(x[j]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qh[j] = x[j];
+    }
+    uint32_t out[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = valid ? f16x2(qh[2 * j], qh[2 * j + 1]) : 0u;
+    uint4* d4 = reinterpret_cast<uint4*>(qhat + (bh * g.Rp + r) * D + 16 * cb);
+    d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    if (cb == 0) {
+        float s = 0.0f;
+        if (valid) {
+            // Row shift: sequential over channels, then times qmul (§5.3, §12 #9).
+            for (int c = 0; c < D; ++c) s = fadd(s, fmul(f32h(h_from_bits(qrow[c])), kmean[bh * D + c]));
+            s = fmul(s, qmul);
+        }
+        cq[bh * g.Rp + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
+        sh[bh * g.Rp + r] = s;
+    }
+}
+
+}  // namespace apa

@@ -1,0 +1,68 @@
+"""CPU-side checks of the kernel build (no GPU needed): ``cuda/`` compiles for sm_90 with the local
+nvcc and the flags numerics.md §1 requires, with no fused multiply-add, no flush-to-zero and no
+approximate instruction in the bit-exact variants. Skipped when nvcc is absent."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from apa_gpu import build
+
+try:
+    NVCC = build.find_nvcc()
+except build.BuildError:
+    NVCC = None
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+# A representative pair in the default run; every variant under -m slow.
+QUICK = [build.Variant(d=128, trace=True), build.Variant(d=64, p2_f32=True)]
+
+
+@pytest.mark.parametrize("variant", [build.PROBE, *QUICK], ids=lambda v: getattr(v, "name", str(v)))
+def test_compiles_for_sm90(variant):
+    with tempfile.TemporaryDirectory() as td:
+        log = build.compile_to(variant, Path(td) / "k.cubin", verbose=True)
+        assert (Path(td) / "k.cubin").stat().st_size > 0
+    assert "error" not in log.lower()
+    for line in build.ptxas_report(log):
+        # prep and probe kernels must not spill; the attention kernels report theirs (gpu_check.sh)
+        assert "0 bytes spill stores" in line or line.startswith(("apa_pass", "apa_fused")), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", build.all_variants(), ids=lambda v: v.name)
+def test_every_variant_compiles(variant):
+    with tempfile.TemporaryDirectory() as td:
+        build.compile_to(variant, Path(td) / "k.cubin")
+
+
+@pytest.mark.parametrize("variant", QUICK, ids=lambda v: v.name)
+def test_ptx_has_no_fma_ftz_or_approx(variant):
+    """numerics.md §1.1–1.2: every binary32 operation is a single rounding without flush; the only
+    fused operation is the binary16 fma of quant16 (§4.4); MUFU only in the fast exp2 variant."""
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "k.ptx"
+        cmd = [NVCC, *[f for f in build.FLAGS if f != "-cubin"], "-ptx", *variant.defines(), "-o", str(out),
+               str(build.CUDA_DIR / "apa.cu")]
+        subprocess.run(cmd, check=True, capture_output=True)
+        ptx = out.read_text()
+    ops = re.findall(r"^\s+([a-z][a-z0-9_.]*)", ptx, flags=re.M)
+    fused = {o for o in ops if o.startswith("fma") and o != "fma.rn.f16"}
+    assert not fused, fused
+    assert not {o for o in ops if ".ftz" in o}
+    assert not {o for o in ops if ".approx" in o}
+    arith = {o for o in ops if re.match(r"(add|sub|mul|div)\.[a-z0-9.]*f(16|32)", o)}
+    assert all(".rn" in o for o in arith), arith
+
+
+def test_cache_key_tracks_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("APA_GPU_CACHE", str(tmp_path))
+    p1 = build.build(build.PROBE)
+    assert p1.parent == tmp_path and p1.is_file()
+    assert build.build(build.PROBE) == p1  # cached

@@ -1,0 +1,84 @@
+"""The kernel's arithmetic primitives (cuda/fpmath.cuh, cuda/formats.cuh) against the emulator, bitwise.
+
+exp2s (numerics.md §2), the LG2 and UE4M3 tables (§2.2, §4.2), E2M1 and E4M3 encoding (§4.1, §4.2)
+and quant16 (§4.4), each run on the GPU through cuda/probe.cu. A mismatch here localises a
+kernel-vs-emulator difference before the whole attention is compared. Marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from apa_emu import formats, fpmath
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+from apa_gpu.launch import run_probe_codes, run_probe_exp2, run_probe_quant16, run_probe_tables  # noqa: E402
+
+
+def _first_diff(a, b, x):
+    ab, bb = a.view(np.uint32) if a.dtype == np.float32 else a, b.view(np.uint32) if b.dtype == np.float32 else b
+    bad = np.flatnonzero(ab.ravel() != bb.ravel())
+    if bad.size:
+        i = bad[0]
+        return f"{bad.size} differ; first x={x.ravel()[i]!r}: gpu {a.ravel()[i]!r} vs emulator {b.ravel()[i]!r}"
+    return None
+
+
+def test_exp2s_dense_and_special():
+    # every binary32 in [-1, 1] with stride 97, a stride over the whole relevant range, specials
+    lo, hi = np.float32(-1).view(np.uint32), np.float32(1).view(np.uint32)
+    neg = np.arange(np.float32(0).view(np.uint32), lo, 97, dtype=np.uint32).view(np.float32) * np.float32(-1)
+    pos = np.arange(0, hi, 97, dtype=np.uint32).view(np.float32)
+    wide = np.linspace(-130, 130, 2_000_001, dtype=np.float32)
+    ints = np.arange(-130, 131, dtype=np.float32)
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 127.5, 127.99999, 128, -126, -126.00001,
+                        -125.5, -125.50001, 1e-45, -1e-45], np.float32)
+    x = np.concatenate([neg, pos, wide, ints, ints + np.float32(0.5), special])
+    msg = _first_diff(run_probe_exp2(x), fpmath.exp2s_np(x), x)
+    assert msg is None, msg
+
+
+def test_tables():
+    lg2, dec = run_probe_tables()
+    assert np.array_equal(lg2.view(np.uint32), fpmath.LG2.view(np.uint32))
+    want = np.array([formats.ue4m3_value(np.uint8(c)) for c in range(127)], np.float32)
+    assert np.array_equal(dec.view(np.uint32), want.view(np.uint32))
+
+
+def test_codes():
+    rng = np.random.default_rng(5)
+    grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 448, 464, 465, 1000,
+                     2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 2.0**-6, 1e-30, np.inf], np.float32)
+    near = np.concatenate([np.nextafter(grid, np.float32(np.inf)), np.nextafter(grid, np.float32(-np.inf))])
+    bitsx = rng.integers(0, 1 << 32, 1_000_000, dtype=np.uint32).view(np.float32)
+    bitsx = bitsx[np.isfinite(bitsx)]
+    x = np.concatenate([grid, -grid, near, -near, bitsx, rng.standard_normal(200_000).astype(np.float32) * 8])
+    x = x[~np.isnan(x)]
+    g2, g4 = run_probe_codes(x)
+    e2 = np.array([formats.e2m1_code(v) for v in x], np.uint8)
+    e4 = formats.e4m3_codes(x)
+    assert (msg := _first_diff(g2, e2, x)) is None, "e2m1: " + msg
+    assert (msg := _first_diff(g4, e4, x)) is None, "e4m3: " + msg
+
+
+@pytest.mark.parametrize("lsq", [True, False], ids=["lsq", "nearest"])
+def test_quant16(lsq):
+    rng = np.random.default_rng(11 + lsq)
+    nb = 200_000
+    scale = np.exp2(rng.uniform(-40, 12, (nb, 1))).astype(np.float32)
+    x = (rng.standard_normal((nb, 16)) * scale).astype(np.float32)
+    # sparse, one-hot, ties and exact grid values
+    x[: nb // 8, ::2] = 0
+    x[nb // 8: nb // 4, 1:] = 0
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    x[nb // 4: nb // 4 + 4096] = grid[rng.integers(0, 8, (4096, 16))] * np.float32(2.0) ** rng.integers(
+        -9, 9, (4096, 1)).astype(np.float32) * rng.choice(np.float32([-1, 1]), (4096, 16))
+    x[-1] = 0
+    x = np.clip(x, -2688, 2688)
+    gc, gs = run_probe_quant16(x, lsq)
+    ec, es = formats.quantize_blocks(x, lsq)
+    assert (msg := _first_diff(gs, es[:, 0], np.arange(nb))) is None, "block scale: " + msg
+    assert (msg := _first_diff(gc, ec, x)) is None, "codes: " + msg

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One-shot GPU check for the H200 (run from the repo root):
+#
+#   bash tools/gpu_check.sh            # full: build, primitives, MMA probes, kernel vs emulator, real data
+#   QUICK=1 bash tools/gpu_check.sh    # smaller: fewer examples and MMA tiles, no 32k-key problem
+#   GPU_TESTS=tests/test_gpu_mma.py PYTEST_K=probe bash tools/gpu_check.sh   # a subset
+#
+# Writes logs, a JUnit XML and any reproducers under $OUT (the device tool's output folder) or
+# /tmp/apa_gpu_check, and ends with a short summary. Reproducers replay with
+#   python -m apa_gpu.replay FILE.npz
+# Cubins are cached in $APA_GPU_CACHE, default ./.gpu_build (git-ignored). Building them on a CPU
+# machine first saves device time: `APA_GPU_CACHE=.gpu_build python -m apa_gpu.build`, then carry
+# .gpu_build to the device; the cache key includes the nvcc version, so a mismatch just rebuilds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+OUTDIR="${OUT:-/tmp/apa_gpu_check}"
+mkdir -p "$OUTDIR"
+export APA_GPU_CACHE="${APA_GPU_CACHE:-$PWD/.gpu_build}"
+export APA_GPU_REPRO_DIR="$OUTDIR/repro"
+PY="${PYTHON:-python3}"
+QUICK="${QUICK:-0}"
+if [ "$QUICK" = 1 ]; then
+  export APA_GPU_EXAMPLES="${APA_GPU_EXAMPLES:-12}" APA_GPU_MMA_TILES="${APA_GPU_MMA_TILES:-100000}"
+  KSEL="${PYTEST_K:-not llama}"
+else
+  export APA_GPU_EXAMPLES="${APA_GPU_EXAMPLES:-40}" APA_GPU_MMA_TILES="${APA_GPU_MMA_TILES:-100000}"
+  KSEL="${PYTEST_K:-}"
+fi
+GPU_TESTS="${GPU_TESTS:-tests/test_gpu_formats.py tests/test_gpu_mma.py tests/test_gpu_kernel.py}"
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+
+stamp "environment"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$PY" - <<'EOF'
+import sys, numpy, numba
+print("python", sys.version.split()[0], "numpy", numpy.__version__, "numba", numba.__version__)
+try:
+    import cupy
+    print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "device", cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
+except Exception as e:
+    print("cupy: unavailable:", e)
+EOF
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUTDIR/env.txt"
+
+stamp "build (ptxas report in $OUTDIR/build.txt)"
+"$PY" -m apa_gpu.build --report -j "$(nproc)" > "$OUTDIR/build.txt" 2>&1 || { cat "$OUTDIR/build.txt"; echo "BUILD FAILED"; exit 1; }
+grep -E "cubin|apa_pass" "$OUTDIR/build.txt" | sed 's#.*/##' | head -60
+
+stamp "smoke: one small problem, kernel vs emulator"
+"$PY" - <<'EOF' 2>&1 | tee "$OUTDIR/smoke.txt"
+import numpy as np, apa_emu, apa_gpu
+from apa_gpu.compare import first_divergence, describe, save_reproducer
+from apa_emu.config import Config
+rng = np.random.default_rng(0)
+for d in (64, 128):
+    q = rng.standard_normal((2, 40, 6, d)).astype(np.float16)
+    k = rng.standard_normal((2, 200, 2, d)).astype(np.float16)
+    v = rng.standard_normal((2, 200, 2, d)).astype(np.float16)
+    for cfg in (Config(), Config(eps=-1.0), Config(eps=0.2, p2_accum="f32", tile_order="ascending"),
+                Config(eps=1e9)):
+        e = apa_emu.attention(q, k, v, 160, cfg, trace="all")
+        for schedule in ("separate", "fused"):
+            g = apa_gpu.attention(q, k, v, 160, cfg, trace="all", schedule=schedule)
+            div = first_divergence(e, g)
+            tag = f"smoke d={d} eps={cfg.eps} p2={cfg.p2_accum} {schedule}"
+            if div is None:
+                print(f"{tag}: bitwise equal ({g.hot_tiles}/{g.active_tiles} hot)")
+            else:
+                p = save_reproducer(q, k, v, 160, cfg)
+                print(f"{tag}: MISMATCH {describe(div)}\n  python -m apa_gpu.replay {p}")
+EOF
+
+stamp "pytest -m gpu (examples/property=$APA_GPU_EXAMPLES, MMA tiles=$APA_GPU_MMA_TILES)"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUTDIR/gpu_tests.xml" -rfE \
+  ${KSEL:+-k "$KSEL"} $GPU_TESTS \
+  2>&1 | tee "$OUTDIR/pytest.txt" | tail -60
+rc=${PIPESTATUS[0]}
+
+stamp "summary"
+"$PY" - "$OUTDIR" <<'EOF'
+import sys, pathlib, xml.etree.ElementTree as ET
+out = pathlib.Path(sys.argv[1])
+try:
+    root = ET.parse(out / "gpu_tests.xml").getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    a = suite.attrib
+    print(f"tests {a.get('tests')}  failures {a.get('failures')}  errors {a.get('errors')}  "
+          f"skipped {a.get('skipped')}  time {float(a.get('time', 0)):.0f}s")
+    for case in suite.iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            msg = (bad.attrib.get("message") or "").splitlines()
+            print(f"  FAIL {case.attrib.get('name')}: {msg[0][:300] if msg else ''}")
+except Exception as e:
+    print("no junit report:", e)
+repro = sorted((out / "repro").glob("*.npz")) if (out / "repro").exists() else []
+print(f"reproducers: {len(repro)}" + "".join(f"\n  python -m apa_gpu.replay {p}" for p in repro[-5:]))
+EOF
+exit "$rc"
