@@ -124,7 +124,7 @@ def pass1_warp(
                     bias = lc_r - cu
                 else:
                     e = exp2(u - fl, soft)
-                    mi = int(np.ceil((e - one) * np.float32(8)))
+                    mi = min(max(int(np.ceil((e - one) * np.float32(8))), 0), 8)
                     kb = 8 * (int(fl) + 7) + mi
                     bias = lc_r - (fl + LG2[mi])
                 pscales[r, g] = kb

@@ -80,19 +80,45 @@ class TraceRequest:
         return cls(triples)
 
 
-def first_difference(a: np.ndarray, b: np.ndarray, fields, keys=("b", "hk", "warp", "visit")):
-    """The first record and field where two traces differ bitwise, or None.
+_CANON = {np.dtype(np.float16): np.uint16(0x7FFF), np.dtype(np.float32): np.uint32(0x7FFFFFFF)}
 
-    Floats are compared as bit patterns, so -0/+0 and NaN payloads count as differences.
+
+def canonical_nan(a: np.ndarray) -> np.ndarray:
+    """A copy with every NaN replaced by the canonical NaN of its width (numerics.md §1.7: NaN
+    payloads are not part of the contract). Works field by field on structured arrays."""
+    a = np.array(a, copy=True)
+    if a.dtype.names:
+        for name in a.dtype.names:
+            a[name] = canonical_nan(a[name])
+    elif a.dtype.base in _CANON:
+        a[np.isnan(a)] = _CANON[a.dtype.base].view(a.dtype.base)
+    return a
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind == "f" else x
+
+
+def first_difference(left: np.ndarray, right: np.ndarray, fields, keys=("b", "hk", "warp", "visit")):
+    """The first record, field and element where two record arrays differ bitwise, or None.
+
+    Records are compared in order, fields in the order given. Floats are compared as bit patterns
+    (so -0 and +0 differ) after NaN canonicalisation. The result names the record's ``keys`` and the
+    two values as ``left`` and ``right``.
     """
-    if a.shape != b.shape:
-        return {"field": "shape", "a": a.shape, "b": b.shape}
-    for i in range(a.shape[0]):
-        for f in fields:
-            x, y = np.asarray(a[f][i]), np.asarray(b[f][i])
-            xb = x.view(np.uint8) if x.dtype.kind == "f" else x
-            yb = y.view(np.uint8) if y.dtype.kind == "f" else y
-            if not np.array_equal(xb, yb):
-                where = {k: int(a[k][i]) for k in keys if k in a.dtype.names}
-                return {"record": i, **where, "field": f, "a": x, "b": y}
-    return None
+    if left.shape != right.shape:
+        return {"field": "shape", "left": left.shape, "right": right.shape}
+    left, right = canonical_nan(left), canonical_nan(right)
+    n = left.shape[0]
+    first, where = n, None
+    for f in fields:
+        ne = (_bits(left[f]) != _bits(right[f])).reshape(n, -1)
+        bad = np.flatnonzero(ne.any(axis=1))
+        if bad.size and bad[0] < first:
+            first, where = int(bad[0]), (f, int(np.flatnonzero(ne[bad[0]])[0]))
+    if where is None:
+        return None
+    f, j = where
+    x, y = np.atleast_1d(left[f][first]), np.atleast_1d(right[f][first])
+    return {"record": first, **{k: int(left[k][first]) for k in keys}, "field": f,
+            "element": j if x.size > 1 else None, "left": x[j], "right": y[j]}

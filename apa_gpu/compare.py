@@ -18,63 +18,18 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.config import Config
 
-_NAN16, _NAN32 = np.uint16(0x7FFF), np.uint32(0x7FFFFFFF)
-
-
-def canon_nan(a: np.ndarray) -> np.ndarray:
-    """A copy with every NaN replaced by the canonical NaN of its width.
-
-    NaN payloads are not part of numerics.md: NumPy propagates an operand's payload where the GPU
-    writes its canonical NaN. Every other bit pattern (including -0) is compared as it is.
-    """
-    a = np.array(a, copy=True)
-    if a.dtype.names:
-        for name in a.dtype.names:
-            a[name] = canon_nan(a[name])
-        return a
-    if a.dtype == np.float16:
-        a[np.isnan(a)] = _NAN16.view(np.float16)
-    elif a.dtype == np.float32:
-        a[np.isnan(a)] = _NAN32.view(np.float32)
-    return a
-
-
-def _scalar_fields_as_1d(recs: np.ndarray) -> np.ndarray:
-    """A copy whose scalar float fields are 1-element subarrays: apa_emu.trace.first_difference views
-    each field value as bytes, which NumPy refuses for a 0-d value (the row records' m1, l1, ...)."""
-    fields = []
-    for name in recs.dtype.names:
-        dt, _ = recs.dtype.fields[name][:2]
-        if dt.kind == "f" and dt.shape == ():
-            fields.append((name, dt, (1,)))
-        else:
-            fields.append((name, dt))
-    out = np.zeros(recs.shape, fields)
-    for name in recs.dtype.names:
-        out[name] = recs[name].reshape(out[name].shape)
-    return out
+canon_nan = tr.canonical_nan
 
 
 def _record_divergence(where, emu_recs, gpu_recs, fields, keys):
-    """apa_emu.trace.first_difference on NaN-canonical copies, with the record's keys and the two
-    values named (first_difference's own dict reuses the key 'b' for the second value)."""
-    d = tr.first_difference(_scalar_fields_as_1d(canon_nan(emu_recs)), _scalar_fields_as_1d(canon_nan(gpu_recs)),
-                            fields, keys=keys)
+    """apa_emu.trace.first_difference, with the two sides named and their bit patterns shown."""
+    d = tr.first_difference(emu_recs, gpu_recs, fields, keys=keys)
     if d is None:
         return None
-    if d.get("field") == "shape":
-        return {"where": where, "field": "shape", "emulator": d["a"], "gpu": d["b"]}
-    i = d["record"]
-    out = {"where": where, "record": i}
-    out.update({k: int(emu_recs[k][i]) for k in keys})
-    out["field"] = d["field"]
-    a, b = np.atleast_1d(canon_nan(np.asarray(d["a"]))), np.atleast_1d(canon_nan(np.asarray(d["b"])))
-    if a.dtype.kind == "f" and a.shape == b.shape and a.size > 1:
-        j = int(np.flatnonzero(a.view(f"u{a.itemsize}") != b.view(f"u{b.itemsize}"))[0])
-        out["row in warp" if where == "visits" else "channel"] = j
-        a, b = a[j], b[j]
-    elif a.size == 1:
-        a, b = a[0], b[0]
+    out = {"where": where, **{k: v for k, v in d.items() if k not in ("left", "right", "element")}}
+    if d.get("element") is not None:
+        out["row in warp" if where == "visits" else "channel"] = d["element"]
+    a, b = d["left"], d["right"]
     out.update(emulator=a, gpu=b)
     if isinstance(a, np.floating):
         out.update(emulator_bits=hex(int(np.asarray(a).view(f"u{a.itemsize}"))),
