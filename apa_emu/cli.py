@@ -65,7 +65,7 @@ def _table(title, columns, rows):
 
 def _fmt(x) -> str:
     if isinstance(x, (float, np.floating)):
-        return f"{x:.7g}"
+        return f"{x:.6g}"
     return str(x)
 
 
@@ -77,6 +77,8 @@ def _emit(args, payload: dict, tables):
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:  # piped or captured: no terminal width to respect, keep numbers whole
+        console = Console(width=200)
     for t in tables:
         console.print(t)
 

@@ -108,8 +108,10 @@ def first_difference(left: np.ndarray, right: np.ndarray, fields, keys=("b", "hk
     """
     if left.shape != right.shape:
         return {"field": "shape", "left": left.shape, "right": right.shape}
-    left, right = canonical_nan(left), canonical_nan(right)
     n = left.shape[0]
+    if n == 0:
+        return None
+    left, right = canonical_nan(left), canonical_nan(right)
     first, where = n, None
     for f in fields:
         ne = (_bits(left[f]) != _bits(right[f])).reshape(n, -1)

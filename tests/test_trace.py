@@ -32,3 +32,8 @@ def test_scalar_fields_signed_zero_and_nan_payloads():
     a.rows["part"][2, 1] = np.uint32(0x7FC00001).view(np.float32)
     c.rows["part"][2, 1] = np.uint32(0xFFC00000).view(np.float32)
     assert tr.first_difference(a.rows, c.rows, tr.ROW_FIELDS, keys) is None
+
+
+def test_empty_traces_are_equal():
+    empty = np.zeros(0, tr.VISIT_DTYPE)
+    assert tr.first_difference(empty, empty.copy(), tr.VISIT_FIELDS) is None
