@@ -65,6 +65,41 @@ struct Geom {
     }
 };
 
+// The rows of the calling warp in CTA qb of one (b, hk) (numerics.md §6.2–6.3), in the m16n8k16
+// fragment layout: lane = 4 g + t0 holds rows row0 + g ("lo") and row0 + g + 8 ("hi"). Padding rows
+// (≥ R) are invalid; their key limit is the last real row's, which the validity masks make moot.
+struct WarpRows {
+    int lane, wl, g, t0, w, row0;
+    bool warp_active;
+    int r_lo, r_hi;
+    bool v_lo, v_hi;
+    int lim_lo, lim_hi;
+    int Tw;     // the warp's last active tile, -1 for a warp past the rows
+    int wlast;  // the CTA's last real warp
+    int Tmax;   // the CTA's last active tile
+};
+
+__device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
+    WarpRows x;
+    x.lane = threadIdx.x & 31;
+    x.wl = threadIdx.x >> 5;
+    x.g = x.lane >> 2;
+    x.t0 = x.lane & 3;
+    x.w = qb * WARPS + x.wl;
+    x.row0 = 16 * x.w;
+    x.warp_active = x.row0 < geo.R;
+    x.r_lo = x.row0 + x.g;
+    x.r_hi = x.row0 + x.g + 8;
+    x.v_lo = x.r_lo < geo.R;
+    x.v_hi = x.r_hi < geo.R;
+    x.lim_lo = geo.lim(x.v_lo ? x.r_lo : geo.R - 1);
+    x.lim_hi = geo.lim(x.v_hi ? x.r_hi : geo.R - 1);
+    x.Tw = x.warp_active ? geo.last_tile(x.w) : -1;
+    x.wlast = min(qb * WARPS + WARPS - 1, geo.nw - 1);
+    x.Tmax = geo.last_tile(x.wlast);
+    return x;
+}
+
 // Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are
 // stored in slot order, so P group g is slots 16g..16g+15 for both groupings.
 //   consecutive: slot j is key j.

@@ -102,17 +102,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     constexpr int NKS = D / 16;   // channel k-steps
     constexpr int NDN = D / 8;    // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
-    const int lane = threadIdx.x & 31, wl = threadIdx.x >> 5;
-    const int g = lane >> 2, t0 = lane & 3;
-    const int w = qb * WARPS + wl;
-    const int row0 = 16 * w;
-    const bool warp_active = row0 < geo.R;
-    const int r_lo = row0 + g, r_hi = row0 + g + 8;
-    const bool v_lo = r_lo < geo.R, v_hi = r_hi < geo.R;
-    const int lim_lo = geo.lim(v_lo ? r_lo : geo.R - 1), lim_hi = geo.lim(v_hi ? r_hi : geo.R - 1);
-    const int Tw = warp_active ? geo.last_tile(w) : -1;
-    const int wlast = min(qb * WARPS + WARPS - 1, geo.nw - 1);
-    const int Tmax = geo.last_tile(wlast);
+    const auto [lane, wl, g, t0, w, row0, warp_active, r_lo, r_hi, v_lo, v_hi, lim_lo, lim_hi, Tw, wlast, Tmax] =
+        warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
 
     // Q̂ of the warp's 16 rows into shared memory (§7.1; A fragments by ldmatrix below), c_q per row.
