@@ -143,26 +143,15 @@ def build_sim(variant=Variant()) -> Path:
     else:
         src, defines, name = CUDA_DIR / "sim" / "sim_apa.cpp", variant.defines(), "sim_" + variant.name
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
-    h = hashlib.sha256()
-    for part in (sources_hash(), src.name, " ".join(SIM_FLAGS), " ".join(defines), *ver):
-        h.update(part.encode())
-        h.update(b"\0")
-    path = cache_dir() / f"{name}-{h.hexdigest()[:20]}.so"
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        cmd = [cxx, *SIM_FLAGS, *defines, "-o", tmp, str(src)]
+    key = _key(sources_hash(), src.name, " ".join(SIM_FLAGS), " ".join(defines), *ver)
+
+    def make(tmp: Path) -> None:
+        cmd = [cxx, *SIM_FLAGS, *defines, "-o", str(tmp), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise BuildError(f"simulator build failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return _cached(cache_dir() / f"{name}-{key}.so", make)
 
 
 def _source_and_defines(variant) -> tuple[Path, tuple[str, ...], str]:
@@ -171,12 +160,30 @@ def _source_and_defines(variant) -> tuple[Path, tuple[str, ...], str]:
     return CUDA_DIR / "apa.cu", variant.defines(), variant.name
 
 
-def _key(nvcc: str, defines: tuple[str, ...], src: Path) -> str:
+def _key(*parts: str) -> str:
+    """Cache key of a build: everything that can change its output."""
     h = hashlib.sha256()
-    for part in (sources_hash(), src.name, " ".join(FLAGS), " ".join(defines), nvcc_version(nvcc)):
+    for part in parts:
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:20]
+
+
+def _cached(path: Path, make) -> Path:
+    """``path`` if it exists, else ``make(tmp)`` and an atomic rename: concurrent builders race
+    harmlessly and a failed build leaves nothing behind."""
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        make(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
 
 
 def compile_to(variant, out: Path, *, verbose: bool = False, extra: tuple[str, ...] = ()) -> str:
@@ -199,9 +206,13 @@ def build(variant=Variant()) -> Path:
         return build_sim(variant)
     nvcc = find_nvcc()
     src, defines, name = _source_and_defines(variant)
-    path = cache_dir() / f"{name}-{_key(nvcc, defines, src)}.cubin"
-    if path.is_file():
-        return path
+    key = _key(sources_hash(), src.name, " ".join(FLAGS), " ".join(defines), nvcc_version(nvcc))
+
+    def make(tmp: Path) -> None:
+        log = compile_to(variant, tmp, verbose=True)
+        tmp.with_name(f"{name}-{key}.log").write_text(log)
+
+    return _cached(cache_dir() / f"{name}-{key}.cubin", make)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     os.close(fd)
