@@ -4,7 +4,7 @@ Every helper is an ``@njit(cache=True)`` scalar function meant to be called from
 ``exp2s_np`` is the vectorised twin of ``exp2s`` for tests and tools. All binary32 arithmetic is
 one IEEE operation with RNE and no FMA (numerics.md §1.1): fastmath stays off and every constant
 is a ``np.float32``, because Numba silently widens float32 to float64 next to a Python float or an
-integer. Conversions to binary16 and binary32-toward-zero are done arithmetically on binary64
+integer. Conversions to binary16 are done arithmetically on binary64
 (exact scaling by powers of two, then one integer rounding), so nothing depends on Numba's float16
 support.
 
@@ -51,8 +51,6 @@ _POW2_127 = np.float32(2.0**127)
 
 _F16_MAX_HALFWAY = 65520.0  # the binary16 midpoint between 65504 and 2¹⁶: RNE sends it to inf
 _F16_MIN_NORMAL = 2.0**-14
-_F32_MIN_NORMAL = 2.0**-126
-_F32_OVERFLOW = 2.0**128
 _RINT64 = 2.0**52  # adding 2⁵² rounds a binary64 in [0, 2⁵²) to an integer, ties to even
 
 
@@ -166,25 +164,6 @@ def f16r(x):
     # ax / quantum < 2¹¹ + 1, far below 2⁵², so the 2⁵² trick rounds it once, ties to even.
     y = (ax / quantum + _RINT64) - _RINT64
     return np.float32(math.copysign(y * quantum, xd))
-
-
-@njit(cache=True)
-def rz_f32(x):
-    """binary64 → binary32 toward zero, subnormals on the 2⁻¹⁴⁹ grid, |x| ≥ 2¹²⁸ → ±inf, NaN → NaN.
-
-    The FP32 accumulation of the MMA models (numerics.md §3.1, §3.2) rounds this way; the
-    overflow rule is theirs.
-    """
-    if x != x:
-        return np.float32(x)
-    ax = abs(x)
-    if ax >= _F32_OVERFLOW:
-        return np.float32(math.copysign(np.inf, x))
-    if ax < _F32_MIN_NORMAL:
-        quantum = 2.0**-149
-    else:
-        quantum = math.ldexp(1.0, math.frexp(ax)[1] - 24)
-    return np.float32(math.copysign(np.floor(ax / quantum) * quantum, x))
 
 
 @njit(cache=True)
