@@ -133,7 +133,7 @@ def pass1_warp(
                     slot = g * GROUP + i
                     j = slots[slot]
                     if k0 + j <= lim[r]:
-                        pp = exp2(s[r, j] * cq[r] + bias, soft)
+                        pp = exp2(s[r, j] * cq[r] + bias, soft or quant_p)  # §7.5: codes use exp2s
                     else:
                         pp = np.float32(0)
                     if quant_p:

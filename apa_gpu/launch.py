@@ -98,10 +98,11 @@ def _kernel(variant, name: str):
 
 @lru_cache(maxsize=None)
 def _layout(variant) -> tuple[int, ...]:
-    """cuda/apa.cu apa_layout: (pass-1 smem, pass-2 smem without mask words, visit bytes, row bytes)."""
+    """cuda/apa.cu apa_layout: (pass-1 smem, pass-2 smem without mask words, pass-2 mask words per W,
+    visit bytes, row bytes)."""
     cp = _cupy()
     ptr = _module(variant).get_global("apa_layout")
-    return tuple(int(x) for x in cp.ndarray((4,), np.int32, memptr=ptr).get())
+    return tuple(int(x) for x in cp.ndarray((5,), np.int32, memptr=ptr).get())
 
 
 @lru_cache(maxsize=None)
@@ -185,12 +186,12 @@ class Plan:
         self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32",
                                exp2_fast=cfg.exp2 == "fast")
         self.all_hot = cfg.eps < 0
-        smem1, smem2_tiles, visit_bytes, row_bytes = _layout(self.variant)
+        smem1, smem2_tiles, smem2_words, visit_bytes, row_bytes = _layout(self.variant)
         if visit_bytes != tr.VISIT_DTYPE.itemsize or row_bytes != tr.row_dtype(s.d).itemsize:
             raise RuntimeError(f"apa_gpu: kernel trace records ({visit_bytes}, {row_bytes} bytes) do not match "
                                f"apa_emu.trace ({tr.VISIT_DTYPE.itemsize}, {tr.row_dtype(s.d).itemsize})")
         self.smem1 = smem1
-        self.smem2 = smem2_tiles + 4 * s.W  # + the CTA's union of hot-mask words (merge.cuh)
+        self.smem2 = smem2_tiles + 4 * smem2_words * s.W  # + the hot-mask words (merge.cuh)
         self.qmul = F32(cfg.softmax_scale(s.d) * LOG2E)
         tau = F32(cfg.tau)
         self.p1_consts = (F32(cfg.eps), F32(cfg.delta), tau, F32(8) - tau, LOG2_1536 - tau,

@@ -61,7 +61,7 @@ apa_pass1(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
     a.part = part; a.ml = ml; a.hot = hot; a.trace_visits = trace_visits; a.visit_base = visit_base;
     a.eps = eps; a.delta = delta; a.tau = tau; a.A = A; a.L = L; a.Kf = Kf;
     a.ascending = ascending; a.pow2 = pow2; a.interleaved = interleaved; a.quant_p = quant_p;
-    pass1_cta(a, g, smem, blockIdx.z, blockIdx.y, blockIdx.x);
+    pass1_cta(a, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -73,8 +73,7 @@ apa_pass2(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* 
     Pass2Args a;
     a.q = q; a.k = k; a.v = v; a.sh = sh; a.part = part; a.ml = ml; a.hot = hot; a.out = out;
     a.trace_rows = trace_rows; a.row_base = row_base; a.qmul = qmul; a.all_hot = all_hot;
-    uint32_t* U = reinterpret_cast<uint32_t*>(smem + 2 * P2_STAGE_HALVES);
-    pass2_cta(a, g, smem, U, blockIdx.z, blockIdx.y, blockIdx.x);
+    pass2_cta(a, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,10 +113,9 @@ apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
     Pass2Args a2;
     a2.q = q; a2.k = k; a2.v = v; a2.sh = sh; a2.part = part; a2.ml = ml; a2.hot = hot; a2.out = out;
     a2.trace_rows = trace_rows; a2.row_base = row_base; a2.qmul = qmul; a2.all_hot = all_hot;
-    uint32_t* U = reinterpret_cast<uint32_t*>(smem + 2 * P2_STAGE_HALVES);
     const int items = B * g.Hkv * ((g.nw + WARPS - 1) / WARPS);
     const int n1 = all_hot ? 0 : items;
-    for (;;) {
+    for (bool fresh = true;; fresh = false) {
         __syncthreads();  // every thread has read the previous ticket; smem is free
         if (threadIdx.x == 0) ticket_s = (int)atomicAdd(&counters[0], 1u);
         __syncthreads();
@@ -126,7 +124,7 @@ apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
         int b, hk, qb;
         if (ticket < n1) {
             item_coords(ticket, g, B, b, hk, qb);
-            pass1_cta(a1, g, smem, b, hk, qb);
+            pass1_cta(a1, g, smem, b, hk, qb, fresh);
             __syncthreads();  // all of the item's global writes are done
             if (threadIdx.x == 0) {
                 __threadfence();
@@ -144,12 +142,13 @@ apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
                 }
             }
             __syncthreads();  // the acquire above orders the pass-1 item's writes before every thread's reads
-            pass2_cta(a2, g, smem, U, b, hk, qb);
+            pass2_cta(a2, g, smem, b, hk, qb, fresh);
         }
     }
 }
 
 // Layout constants the host reads back (apa_gpu/launch.py) instead of recomputing them:
-// dynamic shared memory of pass 1, of pass 2 without its hot-mask words, and the trace record
-// sizes (checked against apa_emu.trace's dtypes).
-extern "C" __device__ const int apa_layout[4] = {P1_SMEM_BYTES, P2_SMEM_TILES_BYTES, VISIT_BYTES, ROW_BYTES};
+// dynamic shared memory of pass 1, of pass 2 without its hot-mask words and those words per
+// mask word W (merge.cuh), and the trace record sizes (checked against apa_emu.trace's dtypes).
+extern "C" __device__ const int apa_layout[5] = {P1_SMEM_BYTES, P2_SMEM_BYTES, P2_SMEM_WORDS, VISIT_BYTES,
+                                                 ROW_BYTES};

@@ -52,6 +52,30 @@ __device__ __forceinline__ float e2m1_round(float x) {
     return __uint_as_float(__float_as_uint(v) | (__float_as_uint(x) & 0x80000000u));
 }
 
+// e2m1(exp2s(y)) as a value, from y alone (numerics.md §7.5, "thresholds"): exp2s splits the binary32
+// line at seven points, exp2s(y) crosses the k-th E2M1 midpoint exactly when y > T_k (verified over
+// every binary32 y in [-2.5, 3] and by range outside it: tests/test_thresholds.py). Seven compares
+// instead of the polynomial and the rounding. The ladder runs downwards so that a NaN y gives 6,
+// as e2m1(exp2s(NaN)) does.
+#define APA_E2M1_EXP2S_T0 0xC0000000u
+#define APA_E2M1_EXP2S_T1 0xBED47FCFu
+#define APA_E2M1_EXP2S_T2 0x3EA4D3C5u
+#define APA_E2M1_EXP2S_T3 0x3F4EAECEu
+#define APA_E2M1_EXP2S_T4 0x3FA934F1u
+#define APA_E2M1_EXP2S_T5 0x3FE75767u
+#define APA_E2M1_EXP2S_T6 0x40149A78u
+__device__ __forceinline__ float e2m1_exp2s(float y) {
+    float v = 6.0f;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T6) ? 4.0f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T5) ? 3.0f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T4) ? 2.0f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T3) ? 1.5f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T2) ? 1.0f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T1) ? 0.5f : v;
+    v = y <= f32_from_bits(APA_E2M1_EXP2S_T0) ? 0.0f : v;
+    return v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // E4M3 / UE4M3 (numerics.md §4.2).
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 #include "common.cuh"
 #include "pass2.cuh"
+#include "pipeline.cuh"
 
 namespace apa {
 
@@ -38,17 +39,27 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
     return Tmax + 1;
 }
 
+// Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
+// warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
+constexpr int P2_SMEM_BYTES = RING_SMEM_BYTES;
+constexpr int P2_SMEM_WORDS = 1 + WARPS;
+
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
 // fused launch another CTA wrote it, behind the ready flag's release/acquire.
-// One CTA's work item of pass 2 and the merge: warps 12 qb .. 12 qb + 11 of (b, hk).
-__device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, uint16_t* smem, uint32_t* U, int b,
-                                          int hk, int qb) {
+// One CTA's work item of pass 2 and the merge: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see
+// TileRing::reset.
+__device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
+                                          int qb, bool fresh) {
     constexpr int NKS = D / 16, NDN = D / 8;
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const auto [lane, wl, g, t0, w, row0, warp_active, r_lo, r_hi, v_lo, v_hi, lim_lo, lim_hi, Tw, wlast, Tmax] =
         warp_rows(geo, qb);
     const int nwords = (Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw + (warp_active ? w : 0)) * geo.W;
+    TileRing ring(smem);
+    ring.reset(fresh);
+    uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
+    uint32_t* Hs = U + geo.W + wl * geo.W;  // this warp's words
 
     // Union of the CTA's hot masks (the tiles the CTA loads; each warp computes only its own).
     for (int j = threadIdx.x; j < nwords; j += THREADS) U[j] = 0u;
@@ -63,6 +74,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
             } else {
                 word = __ldcg(hot_w + j);
             }
+            Hs[j] = word;
             atomicOr(&U[j], word);
         }
     }
@@ -93,31 +105,26 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     Pass2State st;
     p2_init(st);
 
-    // Two-stage pipeline over the union's tiles in ascending order (§8: each warp's own hot tiles
-    // in ascending order).
+    // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
+    // ascending order). ahead = the tile of step i + NSTAGES, which the last reader of step i loads.
+    auto load = [&](int i, int t) {
+        p2_load_tile(ring.stage(i), a.k, a.v, b, hk, t, geo);
+        ring.loaded(i);
+    };
     int cur = p2_next_tile(U, 0, Tmax);
-    if (cur <= Tmax) {
-        p2_load_tile(smem, a.k, a.v, b, hk, cur, geo);
-        cp_async_commit();
+    int ahead = cur;
+    for (int k = 0; k < NSTAGES; ++k) {
+        if (k == wl && ahead <= Tmax) load(k, ahead);
+        ahead = p2_next_tile(U, ahead + 1, Tmax);
     }
-    int i = 0;
-    while (cur <= Tmax) {
-        const int nxt = p2_next_tile(U, cur + 1, Tmax);
-        uint16_t* stage = smem + (i & 1) * P2_STAGE_HALVES;
-        if (nxt <= Tmax) {
-            p2_load_tile(smem + ((i + 1) & 1) * P2_STAGE_HALVES, a.k, a.v, b, hk, nxt, geo);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        bool mine = warp_active && cur <= Tw;
-        if (mine && !a.all_hot) mine = (__ldcg(hot_w + (cur >> 5)) >> (cur & 31)) & 1u;
-        if (mine) p2_tile(st, qa, stage, stage + TILE * LDS, cur, lim_lo, lim_hi, sh_lo, sh_hi, a.qmul);
-        __syncthreads();
-        cur = nxt;
-        ++i;
+    for (int i = 0; cur <= Tmax; ++i) {
+        ring.wait(i);
+        const uint16_t* stage = ring.stage(i);
+        if (warp_active && cur <= Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
+            p2_tile(st, qa, stage, stage + TILE * LDS, cur, lim_lo, lim_hi, sh_lo, sh_hi, a.qmul);
+        if (ring.release(i) && ahead <= Tmax) load(i + NSTAGES, ahead);
+        ahead = p2_next_tile(U, ahead + 1, Tmax);
+        cur = p2_next_tile(U, cur + 1, Tmax);
     }
 
     // §8.6 end, §9 merge (every warp, §9.5).

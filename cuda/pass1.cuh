@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "formats.cuh"
 #include "mma.cuh"
+#include "pipeline.cuh"
 
 namespace apa {
 
@@ -35,22 +36,21 @@ struct Pass1Args {
 constexpr int VISIT_BYTES = 24 + 5 * 16 * 4;
 constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280;
 
-// Shared memory: two pipeline stages (K̂ and V̂ of one tile each), then the CTA's Q̂ rows; rows
-// of LDS halves. Q̂ stays in shared memory (A fragments by ldmatrix per k-step) to spare registers.
-constexpr int P1_STAGE_HALVES = 2 * TILE * LDS;
+// Shared memory: the tile ring (pipeline.cuh; a stage holds K̂ then V̂ of one tile), then the
+// CTA's Q̂ rows; rows of LDS halves. Q̂ stays in shared memory (A fragments by ldmatrix per
+// k-step) to spare registers.
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * LDS;
-constexpr int P1_SMEM_BYTES = (2 * P1_STAGE_HALVES + P1_Q_HALVES) * 2;
+constexpr int P1_SMEM_BYTES = RING_SMEM_BYTES + P1_Q_HALVES * 2;
 
+// One warp copies K̂ and V̂ of a tile (64 rows x D halves each, 16-byte chunks) into a stage.
 __device__ __forceinline__ void p1_load_tile(uint16_t* stage, const uint16_t* khat_t, const uint16_t* vhat_t) {
-    // 64 rows x D halves for K̂ then V̂: 16-byte chunks.
     constexpr int CH_PER_ROW = D / 8;
-    constexpr int CHUNKS = 2 * TILE * CH_PER_ROW;
-    for (int c = threadIdx.x; c < CHUNKS; c += THREADS) {
-        const int which = c / (TILE * CH_PER_ROW);
-        const int rc = c % (TILE * CH_PER_ROW);
-        const int row = rc / CH_PER_ROW, col = (rc % CH_PER_ROW) * 8;
-        const uint16_t* src = (which ? vhat_t : khat_t) + (size_t)row * D + col;
-        cp_async16(stage + which * TILE * LDS + row * LDS + col, src, 16);
+    constexpr int CHUNKS = TILE * CH_PER_ROW;
+#pragma unroll 4
+    for (int c = threadIdx.x & 31; c < CHUNKS; c += 32) {
+        const int row = c / CH_PER_ROW, col = (c % CH_PER_ROW) * 8;
+        cp_async16(stage + row * LDS + col, khat_t + (size_t)row * D + col, 16);
+        cp_async16(stage + TILE * LDS + row * LDS + col, vhat_t + (size_t)row * D + col, 16);
     }
 }
 
@@ -90,24 +90,59 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
     return fsub(Lc, fadd(fl, lg2_table(mi)));
 }
 
+// §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
+// holds the scale and bias of group t0 (p1_pscale) and the quad exchanges them. QUANT (§7.5 on):
+// e2m1(exp2s(y)) by thresholds, in both exp2 modes, so no per-element exp2 at all.
+template <bool QUANT>
+__device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
+                                          float my_bias_hi, float my_sc_lo, float my_sc_hi, uint32_t (&pa)[4][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int gi = 0; gi < 4; ++gi) {
+        const int src = (lane & ~3) | gi;
+        const float sc_lo = __shfl_sync(0xFFFFFFFFu, my_sc_lo, src);
+        const float sc_hi = __shfl_sync(0xFFFFFFFFu, my_sc_hi, src);
+        const float bias_lo = __shfl_sync(0xFFFFFFFFu, my_bias_lo, src);
+        const float bias_hi = __shfl_sync(0xFFFFFFFFu, my_bias_hi, src);
+        float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool hi = e >= 2;
+                const float y = fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo);
+                ph[j][e] = fmul(QUANT ? e2m1_exp2s(y) : exp2x(y), hi ? sc_hi : sc_lo);
+            }
+        }
+        pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
+        pa[gi][1] = f16x2(ph[0][2], ph[0][3]);
+        pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
+        pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
+    }
+}
+
 __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, float lo, float hi, bool vlo, bool vhi) {
     float* f = reinterpret_cast<float*>(rec + field);
     f[g] = vlo ? lo : 0.0f;
     f[g + 8] = vhi ? hi : 0.0f;
 }
 
-// One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk).
+// One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see TileRing::reset.
 __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
-                                          int qb) {
+                                          int qb, bool fresh) {
     constexpr int NKS = D / 16;   // channel k-steps
     constexpr int NDN = D / 8;    // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const auto [lane, wl, g, t0, w, row0, warp_active, r_lo, r_hi, v_lo, v_hi, lim_lo, lim_hi, Tw, wlast, Tmax] =
         warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
+    TileRing ring(smem);
+    ring.reset(fresh);
+    __syncthreads();
 
     // Q̂ of the warp's 16 rows into shared memory (§7.1; A fragments by ldmatrix below), c_q per row.
-    uint16_t* Qs = smem + 2 * P1_STAGE_HALVES + wl * 16 * LDS;
+    // Only this warp reads them: its own wait and __syncwarp publish them.
+    uint16_t* Qs = ring.tail() + wl * 16 * LDS;
     float cq_lo = 1.0f, cq_hi = 1.0f;
     if (warp_active) {
         const uint16_t* qsrc = a.qhat + (bh * geo.Rp + row0) * D;  // rows row0..row0+15 (padded to Rp)
@@ -118,7 +153,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         cq_lo = a.cq[bh * geo.Rp + r_lo];
         cq_hi = a.cq[bh * geo.Rp + r_hi];
     }
-    // (committed with the first tile's group below; visible after its wait and barrier)
+    cp_async_commit();
 
     float m_lo = neg_inf(), m_hi = neg_inf(), la_lo = 0.0f, la_hi = 0.0f, lc_lo = 0.0f, lc_hi = 0.0f;
     float o[NDN][4];
@@ -135,24 +170,22 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 
     const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
-    auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : Tmax + 1 - i; };
+    // The CTA's tile sequence (§6.4): step i visits tile_of(i); warps skip t > T_w.
+    const int tmax = Tmax;  // (a lambda may not capture a structured binding before C++20)
+    auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : tmax + 1 - i; };
+    auto load = [&](int i) {
+        const int t = tile_of(i);
+        p1_load_tile(ring.stage(i), khat_bh + (size_t)t * TILE * D, vhat_bh + (size_t)t * TILE * D);
+        ring.loaded(i);
+    };
+    if (wl < NSTAGES && wl <= Tmax) load(wl);
+    cp_async_wait<0>();  // this lane's Q̂ copies (the tile copies are tracked by the ring)
+    __syncwarp();
 
-    // Two-stage cp.async pipeline over the CTA's tile sequence (§6.4): warps skip t > T_w.
-    p1_load_tile(smem, khat_bh + (size_t)tile_of(0) * TILE * D, vhat_bh + (size_t)tile_of(0) * TILE * D);
-    cp_async_commit();
     for (int i = 0; i <= Tmax; ++i) {
         const int t = tile_of(i);
-        uint16_t* stage = smem + (i & 1) * P1_STAGE_HALVES;
-        if (i + 1 <= Tmax) {
-            const int tn = tile_of(i + 1);
-            p1_load_tile(smem + ((i + 1) & 1) * P1_STAGE_HALVES, khat_bh + (size_t)tn * TILE * D,
-                         vhat_bh + (size_t)tn * TILE * D);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        ring.wait(i);
+        const uint16_t* stage = ring.stage(i);
         if (warp_active && t <= Tw) {
             const uint16_t* Ks = stage;
             const uint16_t* Vs = stage + TILE * LDS;
@@ -203,38 +236,18 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                                                           (v_hi && mx_hi > fadd(m_hi, a.tau)));
             const float c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
             const float c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
-            // §7.4 P scales, §7.5 P', folded into FP16 A fragments (k-step kk = group kk).
-            // The 4 lanes of a quad share rows g and g+8: lane t0 computes the scales of group t0
-            // for both rows and the quad exchanges them (the same values, a quarter of the work).
+            // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
+            // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
             float my_sc_lo, my_sc_hi;
             const float gsel_lo = t0 == 0 ? gm_lo[0] : t0 == 1 ? gm_lo[1] : t0 == 2 ? gm_lo[2] : gm_lo[3];
             const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, my_sc_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, my_sc_hi);
             uint32_t pa[4][4];
-#pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {
-                const int src = (lane & ~3) | gi;
-                const float sc_lo = __shfl_sync(0xFFFFFFFFu, my_sc_lo, src);
-                const float sc_hi = __shfl_sync(0xFFFFFFFFu, my_sc_hi, src);
-                const float bias_lo = __shfl_sync(0xFFFFFFFFu, my_bias_lo, src);
-                const float bias_hi = __shfl_sync(0xFFFFFFFFu, my_bias_hi, src);
-                float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const bool hi = e >= 2;
-                        const float pp = exp2x(fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo));
-                        const float sc = hi ? sc_hi : sc_lo;
-                        ph[j][e] = a.quant_p ? fmul(e2m1_round(pp), sc) : fmul(pp, sc);
-                    }
-                }
-                pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
-                pa[gi][1] = f16x2(ph[0][2], ph[0][3]);
-                pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
-                pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
-            }
+            if (a.quant_p)
+                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
+            else
+                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
             // §7.6 tile row sums: chain against ones over the 4 groups in slot order, from C = +0.
             float tl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -256,7 +269,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
                 la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
                 la_hi = fadd(la_hi, fmul(tl_hi, b_hi));
-                if (lane == 0) a.hot[(bh * geo.nw + w) * geo.W + (t >> 5)] |= 1u << (t & 31);
+                if (lane == 0) atomicOr(a.hot + (bh * geo.nw + w) * geo.W + (t >> 5), 1u << (t & 31));
             } else {
                 // §7.8 cold branch.
                 p1_update(c_lo, m_lo, la_lo, lc_lo, o, 0);
@@ -297,7 +310,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #endif
             ++visit;
         }
-        __syncthreads();  // the stage is overwritten by the prefetch of iteration i + 1
+        if (ring.release(i) && i + NSTAGES <= Tmax) load(i + NSTAGES);
     }
 
     // §7.10 export.

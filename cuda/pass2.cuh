@@ -10,10 +10,6 @@
 
 namespace apa {
 
-// Shared memory of one pipeline stage: raw FP16 K and V of one tile.
-constexpr int P2_STAGE_HALVES = 2 * TILE * LDS;
-constexpr int P2_SMEM_TILES_BYTES = 2 * P2_STAGE_HALVES * 2;
-
 struct Pass2State {
 #if APA_P2_F32
     float O[D / 8][4];
@@ -36,19 +32,19 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     st.l4_lo = st.l4_hi = 0.0f;
 }
 
-// Raw K and V of keys 64t..64t+63 of (b, hk) into a stage; keys >= S are zero (§8.1).
+// One warp copies raw K and V of keys 64t..64t+63 of (b, hk) into a stage; keys >= S are zero (§8.1).
 __device__ __forceinline__ void p2_load_tile(uint16_t* stage, const uint16_t* k, const uint16_t* v, int b, int hk,
                                              int t, const Geom& geo) {
     constexpr int CH_PER_ROW = D / 8;
-    constexpr int CHUNKS = 2 * TILE * CH_PER_ROW;
-    for (int c = threadIdx.x; c < CHUNKS; c += THREADS) {
-        const int which = c / (TILE * CH_PER_ROW);
-        const int rc = c % (TILE * CH_PER_ROW);
-        const int row = rc / CH_PER_ROW, col = (rc % CH_PER_ROW) * 8;
+    constexpr int CHUNKS = TILE * CH_PER_ROW;
+#pragma unroll 4
+    for (int c = threadIdx.x & 31; c < CHUNKS; c += 32) {
+        const int row = c / CH_PER_ROW, col = (c % CH_PER_ROW) * 8;
         const int key = t * TILE + row;
         const bool in = key < geo.S;
-        const uint16_t* src = (which ? v : k) + (((size_t)b * geo.S + (in ? key : 0)) * geo.Hkv + hk) * D + col;
-        cp_async16(stage + which * TILE * LDS + row * LDS + col, src, in ? 16u : 0u);
+        const size_t off = (((size_t)b * geo.S + (in ? key : 0)) * geo.Hkv + hk) * D + col;
+        cp_async16(stage + row * LDS + col, k + off, in ? 16u : 0u);
+        cp_async16(stage + TILE * LDS + row * LDS + col, v + off, in ? 16u : 0u);
     }
 }
 

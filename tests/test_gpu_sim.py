@@ -52,6 +52,9 @@ SCRIPT = textwrap.dedent(
                                         delta=0.0, block_scale="nearest"), batch=2)
     run(5, 16, 3, 1, 130, 128, 114, Config(q_terms=1, quant_k=False, quant_p=False, eps=0.02), sink=True)
     run(6, 20, 3, 1, 150, 64, 130, Config(eps=0.01), sink=True, schedule="fused")
+    # More tiles than ring stages (pipeline.cuh reloads), two CTA items (fused: a reused ring).
+    run(7, 70, 3, 1, 700, 64, 640, Config(eps=0.002), sink=True)
+    run(8, 70, 3, 1, 700, 64, 640, Config(eps=0.01, tile_order="ascending"), sink=True, schedule="fused")
     """
 )
 
@@ -62,4 +65,4 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 6, r.stdout
+    assert r.stdout.count("ok ") == 8, r.stdout

@@ -51,6 +51,12 @@ void syncthreads();
 void* dynamic_smem();
 // Warp exchange: every lane of the warp publishes `bytes` bytes and gets the whole warp's values.
 void warp_exchange(const void* mine, void* all32, int bytes);
+void syncwarp();
+// mbarrier (pipeline.cuh): the 64-bit word holds the phase (bit 63), the expected count (bits
+// 32..62) and the pending count (bits 0..31).
+void mbar_init(uint64_t* bar, uint32_t count);
+void mbar_arrive(uint64_t* bar);
+void mbar_wait(uint64_t* bar, uint32_t parity);
 }  // namespace apa_sim
 
 #define threadIdx (::apa_sim::ctx().tid)
@@ -59,6 +65,7 @@ void warp_exchange(const void* mine, void* all32, int bytes);
 #define gridDim (::apa_sim::ctx().gdim)
 
 inline void __syncthreads() { apa_sim::syncthreads(); }
+inline void __syncwarp() { apa_sim::syncwarp(); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 void __nanosleep(unsigned);
 

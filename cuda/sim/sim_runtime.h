@@ -44,6 +44,22 @@ void warp_exchange(const void* mine, void* all32, int bytes) {
     t_warp->bar.arrive_and_wait();  // nobody overwrites the buffer before everyone has read it
 }
 
+void syncwarp() { t_warp->bar.arrive_and_wait(); }
+
+void mbar_init(uint64_t* bar, uint32_t count) {
+    __atomic_store_n(bar, ((uint64_t)count << 32) | count, __ATOMIC_RELEASE);
+}
+void mbar_arrive(uint64_t* bar) {
+    uint64_t cur = __atomic_load_n(bar, __ATOMIC_ACQUIRE), next;
+    do {
+        const uint64_t expected = (cur >> 32) & 0x7FFFFFFFu, pending = (cur & 0xFFFFFFFFu) - 1;
+        next = pending ? (cur & ~0xFFFFFFFFull) | pending : ((cur ^ (1ull << 63)) & ~0xFFFFFFFFull) | expected;
+    } while (!__atomic_compare_exchange_n(bar, &cur, next, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+void mbar_wait(uint64_t* bar, uint32_t parity) {
+    while ((__atomic_load_n(bar, __ATOMIC_ACQUIRE) >> 63) == parity) std::this_thread::yield();
+}
+
 void flag_release(unsigned* p) { __atomic_store_n(p, 1u, __ATOMIC_RELEASE); }
 unsigned flag_acquire(const unsigned* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 

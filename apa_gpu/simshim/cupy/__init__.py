@@ -117,7 +117,7 @@ class RawModule:
         return _Kernel(self.lib, name)
 
     def get_global(self, name):
-        arr = (ctypes.c_int32 * 4).in_dll(self.lib, name)
+        arr = (ctypes.c_int32 * 5).in_dll(self.lib, name)
         return np.ctypeslib.as_array(arr).copy()
 
 
