@@ -247,6 +247,10 @@ class Plan:
     # -- launches -------------------------------------------------------------------------------
     def _launch(self, name, grid, block, args, smem=0):
         k = _kernel(self.variant, name)
+        if smem > k.max_dynamic_shared_size_bytes:
+            # pass 2 keeps every warp's hot-mask words in shared memory: 4·13 bytes per 32 tiles
+            raise ValueError(f"apa_gpu: S={self.shape.S} keys needs {smem} bytes of shared memory in {name}, "
+                             f"more than the device's {k.max_dynamic_shared_size_bytes}")
         k(grid, (block,), args, shared_mem=smem)
         if os.environ.get("APA_GPU_SYNC"):
             try:

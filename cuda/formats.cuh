@@ -52,11 +52,9 @@ __device__ __forceinline__ float e2m1_round(float x) {
     return __uint_as_float(__float_as_uint(v) | (__float_as_uint(x) & 0x80000000u));
 }
 
-// e2m1(exp2s(y)) as a value, from y alone (numerics.md §7.5, "thresholds"): exp2s splits the binary32
-// line at seven points, exp2s(y) crosses the k-th E2M1 midpoint exactly when y > T_k (verified over
-// every binary32 y in [-2.5, 3] and by range outside it: tests/test_thresholds.py). Seven compares
-// instead of the polynomial and the rounding. The ladder runs downwards so that a NaN y gives 6,
-// as e2m1(exp2s(NaN)) does.
+// e2m1(exp2s(y)) ⊗ sc from y alone (numerics.md §7.5, "thresholds"): exp2s splits the binary32 line
+// at seven points, exp2s(y) crosses the k-th E2M1 midpoint exactly when y > T_k (verified over every
+// binary32 y in [-2.5, 3] and by range outside it: tests/test_thresholds.py). So no exp2 per element.
 #define APA_E2M1_EXP2S_T0 0xC0000000u
 #define APA_E2M1_EXP2S_T1 0xBED47FCFu
 #define APA_E2M1_EXP2S_T2 0x3EA4D3C5u
@@ -64,16 +62,37 @@ __device__ __forceinline__ float e2m1_round(float x) {
 #define APA_E2M1_EXP2S_T4 0x3FA934F1u
 #define APA_E2M1_EXP2S_T5 0x3FE75767u
 #define APA_E2M1_EXP2S_T6 0x40149A78u
-__device__ __forceinline__ float e2m1_exp2s(float y) {
-    float v = 6.0f;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T6) ? 4.0f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T5) ? 3.0f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T4) ? 2.0f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T3) ? 1.5f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T2) ? 1.0f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T1) ? 0.5f : v;
-    v = y <= f32_from_bits(APA_E2M1_EXP2S_T0) ? 0.0f : v;
-    return v;
+
+// [y > t] as 0.0 or 1.0 in one saturated FMA, sat(y·2³⁰ − t·2³⁰): the FMA pipe issues twice as fast
+// as the compare/select (ALU) pipe, which the rest of pass 1 already loads. Exact: one rounding of
+// 2³⁰(y − t) keeps its sign and is 0 only when y == t, and a binary32 y above any T_k is at least
+// 2⁻²⁵ above it (the spacing at T₂), so the product is ≥ 32 and saturates to 1.
+__device__ __forceinline__ float step_above(float y, uint32_t t_bits) {
+    const float big = f32_from_bits(0x4E800000u);               // 2^30
+    const float nt = -__fmul_rn(f32_from_bits(t_bits), big);   // exact: a power-of-two scaling
+#ifdef APA_SIM
+    const float r = std::fmaf(y, big, nt);
+    return r != r ? 0.0f : r < 0.0f ? 0.0f : r > 1.0f ? 1.0f : r;
+#else
+    float r;
+    asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(y), "f"(big), "f"(nt));
+    return r;
+#endif
+}
+
+// The E2M1 value is the sum of its steps, 0.5 each up to 2, then 1, 1, 2; scaled by sc
+// (= dec(kb) ≥ 2⁻⁶) every partial sum is n·sc/2 with n ≤ 12, so each FMA below is exact and the
+// result is e2m1(exp2s(y)) ⊗ sc bit for bit. y is never NaN here (c_q > 0 is finite; a masked key
+// has s = −inf, so y = −inf and every step is 0).
+__device__ __forceinline__ float e2m1_exp2s_scaled(float y, float sc) {
+    const float h = __fmul_rn(sc, 0.5f), d = __fmul_rn(sc, 2.0f);
+    float v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T0), h, 0.0f);
+    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T1), h, v);
+    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T2), h, v);
+    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T3), h, v);
+    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T4), sc, v);
+    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T5), sc, v);
+    return __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T6), d, v);
 }
 
 // ---------------------------------------------------------------------------------------------

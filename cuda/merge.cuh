@@ -41,7 +41,8 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
 
 // Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
 // warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
-constexpr int P2_SMEM_BYTES = RING_SMEM_BYTES;
+constexpr int P2_STAGES = 6;
+constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
 constexpr int P2_SMEM_WORDS = 1 + WARPS;
 
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
@@ -56,7 +57,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         warp_rows(geo, qb);
     const int nwords = (Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw + (warp_active ? w : 0)) * geo.W;
-    TileRing ring(smem);
+    TileRing<P2_STAGES> ring(smem);
     ring.reset(fresh);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
     uint32_t* Hs = U + geo.W + wl * geo.W;  // this warp's words
@@ -106,14 +107,14 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     p2_init(st);
 
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
-    // ascending order). ahead = the tile of step i + NSTAGES, which the last reader of step i loads.
+    // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
     auto load = [&](int i, int t) {
         p2_load_tile(ring.stage(i), a.k, a.v, b, hk, t, geo);
         ring.loaded(i);
     };
     int cur = p2_next_tile(U, 0, Tmax);
     int ahead = cur;
-    for (int k = 0; k < NSTAGES; ++k) {
+    for (int k = 0; k < P2_STAGES; ++k) {
         if (k == wl && ahead <= Tmax) load(k, ahead);
         ahead = p2_next_tile(U, ahead + 1, Tmax);
     }
@@ -122,7 +123,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         const uint16_t* stage = ring.stage(i);
         if (warp_active && cur <= Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
             p2_tile(st, qa, stage, stage + TILE * LDS, cur, lim_lo, lim_hi, sh_lo, sh_hi, a.qmul);
-        if (ring.release(i) && ahead <= Tmax) load(i + NSTAGES, ahead);
+        if (ring.release(i) && ahead <= Tmax) load(i + P2_STAGES, ahead);
         ahead = p2_next_tile(U, ahead + 1, Tmax);
         cur = p2_next_tile(U, cur + 1, Tmax);
     }

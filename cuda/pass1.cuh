@@ -39,8 +39,9 @@ constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_
 // Shared memory: the tile ring (pipeline.cuh; a stage holds K̂ then V̂ of one tile), then the
 // CTA's Q̂ rows; rows of LDS halves. Q̂ stays in shared memory (A fragments by ldmatrix per
 // k-step) to spare registers.
+constexpr int P1_STAGES = 5;
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * LDS;
-constexpr int P1_SMEM_BYTES = RING_SMEM_BYTES + P1_Q_HALVES * 2;
+constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
 // One warp copies K̂ and V̂ of a tile (64 rows x D halves each, 16-byte chunks) into a stage.
 __device__ __forceinline__ void p1_load_tile(uint16_t* stage, const uint16_t* khat_t, const uint16_t* vhat_t) {
@@ -71,7 +72,10 @@ __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& l
 }
 
 // P scale of one group (§7.4): returns bias, sets dec(kb).
-__device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float& scale) {
+// lg2_lane: LG2[lane] on lanes 0..8 (a shuffle, not a switch: lanes differ in mi, and a divergent
+// jump table serializes them).
+__device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float lg2_lane,
+                                           float& scale) {
     float u = fadd(fmul(gm, cq), fsub(a.A, c));
     u = fminf(fmaxf(u, -6.0f), 8.0f);
     const float fl = floorf(u);
@@ -87,7 +91,7 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
     mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
 #endif
     scale = ue4m3_dec((uint32_t)(8 * ((int)fl + 7) + mi));
-    return fsub(Lc, fadd(fl, lg2_table(mi)));
+    return fsub(Lc, fadd(fl, __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
 }
 
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
@@ -111,7 +115,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
             for (int e = 0; e < 4; ++e) {
                 const bool hi = e >= 2;
                 const float y = fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo);
-                ph[j][e] = fmul(QUANT ? e2m1_exp2s(y) : exp2x(y), hi ? sc_hi : sc_lo);
+                ph[j][e] = QUANT ? e2m1_exp2s_scaled(y, hi ? sc_hi : sc_lo) : fmul(exp2x(y), hi ? sc_hi : sc_lo);
             }
         }
         pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
@@ -136,7 +140,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     const auto [lane, wl, g, t0, w, row0, warp_active, r_lo, r_hi, v_lo, v_hi, lim_lo, lim_hi, Tw, wlast, Tmax] =
         warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
-    TileRing ring(smem);
+    const float lg2_lane = lg2_table(lane < 9 ? lane : 0);
+    TileRing<P1_STAGES> ring(smem);
     ring.reset(fresh);
     __syncthreads();
 
@@ -178,7 +183,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         p1_load_tile(ring.stage(i), khat_bh + (size_t)t * TILE * D, vhat_bh + (size_t)t * TILE * D);
         ring.loaded(i);
     };
-    if (wl < NSTAGES && wl <= Tmax) load(wl);
+    if (wl < P1_STAGES && wl <= Tmax) load(wl);
     cp_async_wait<0>();  // this lane's Q̂ copies (the tile copies are tracked by the ring)
     __syncwarp();
 
@@ -241,8 +246,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             float my_sc_lo, my_sc_hi;
             const float gsel_lo = t0 == 0 ? gm_lo[0] : t0 == 1 ? gm_lo[1] : t0 == 2 ? gm_lo[2] : gm_lo[3];
             const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
-            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, my_sc_lo);
-            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, my_sc_hi);
+            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo);
+            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi);
             uint32_t pa[4][4];
             if (a.quant_p)
                 p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
@@ -310,7 +315,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #endif
             ++visit;
         }
-        if (ring.release(i) && i + NSTAGES <= Tmax) load(i + NSTAGES);
+        if (ring.release(i) && i + P1_STAGES <= Tmax) load(i + P1_STAGES);
     }
 
     // §7.10 export.

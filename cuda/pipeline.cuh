@@ -21,8 +21,6 @@
 
 namespace apa {
 
-constexpr int NSTAGES = 4;
-
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 #ifdef APA_SIM
     apa_sim::mbar_init(bar, count);
@@ -76,52 +74,58 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
 }
 
 // Dynamic shared memory of a kernel: the ring's barriers and counters (at offset 0, where both
-// passes of the fused launch find them), its stages, then the pass's own data.
+// passes of the fused launch find them), its stages, then the pass's own data. Pass 1 runs
+// NS = 5 (its Q̂ rows take the rest of the 227 KB), pass 2 NS = 6: its warps skip the tiles of the
+// CTA's union that are not their own, so they run further ahead of the slowest one.
 constexpr int STAGE_HALVES = 2 * TILE * LDS;  // K then V (K̂ then V̂ in pass 1) of one tile
-constexpr int RING_SYNC_BYTES = 64;
-static_assert(RING_SYNC_BYTES >= NSTAGES * (8 + 4), "ring barriers do not fit");
-constexpr int RING_SMEM_BYTES = RING_SYNC_BYTES + NSTAGES * STAGE_HALVES * 2;
+constexpr int RING_MAX_STAGES = 6;
+constexpr int RING_SYNC_BYTES = 80;
+static_assert(RING_SYNC_BYTES >= RING_MAX_STAGES * (8 + 4) && RING_SYNC_BYTES % 16 == 0, "ring barriers");
+template <int NS>
+constexpr int ring_smem_bytes() { return RING_SYNC_BYTES + NS * STAGE_HALVES * 2; }
 
+template <int NS>
 struct TileRing {
+    static_assert(NS <= RING_MAX_STAGES && NS <= WARPS, "the prologue gives step s to warp s");
     uint64_t* full;
     uint32_t* done;
     uint16_t* base;
 
     __device__ __forceinline__ explicit TileRing(uint16_t* smem)
         : full(reinterpret_cast<uint64_t*>(smem)),
-          done(reinterpret_cast<uint32_t*>(reinterpret_cast<uint64_t*>(smem) + NSTAGES)),
+          done(reinterpret_cast<uint32_t*>(reinterpret_cast<uint64_t*>(smem) + RING_MAX_STAGES)),
           base(smem + RING_SYNC_BYTES / 2) {}
 
-    // Thread 0 arms the ring for a work item (fresh: first use of this shared memory by the CTA,
-    // otherwise the previous item's barriers are invalidated first); the caller's __syncthreads
-    // publishes it.
+    // Thread 0 arms the ring for a work item (fresh: first use of this shared memory by the CTA;
+    // otherwise the previous item's barriers, whatever its NS, are invalidated first); the caller's
+    // __syncthreads publishes it.
     __device__ __forceinline__ void reset(bool fresh) {
         if (threadIdx.x == 0) {
-            for (int s = 0; s < NSTAGES; ++s) {
+            for (int s = 0; s < RING_MAX_STAGES; ++s) {
                 if (!fresh) mbar_inval(full + s);
                 mbar_init(full + s, 32);
                 done[s] = 0;
             }
         }
     }
-    __device__ __forceinline__ uint16_t* stage(int i) const { return base + (i % NSTAGES) * STAGE_HALVES; }
+    __device__ __forceinline__ uint16_t* stage(int i) const { return base + (i % NS) * STAGE_HALVES; }
     // The pass's own data after the stages.
-    __device__ __forceinline__ uint16_t* tail() const { return base + NSTAGES * STAGE_HALVES; }
+    __device__ __forceinline__ uint16_t* tail() const { return base + NS * STAGE_HALVES; }
 
-    // Every lane of the warp that loaded step i (the prologue gives step s < NSTAGES to warp s),
-    // after issuing its copies.
-    __device__ __forceinline__ void loaded(int i) { cp_async_arrive(full + i % NSTAGES); }
-    __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NSTAGES, (uint32_t)(i / NSTAGES) & 1u); }
+    // Every lane of the warp that loaded step i (the prologue gives step s < NS to warp s), after
+    // issuing its copies.
+    __device__ __forceinline__ void loaded(int i) { cp_async_arrive(full + i % NS); }
+    __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NS, (uint32_t)(i / NS) & 1u); }
 
     // Every lane of every warp, after the warp's last read of step i's stage. True for the last of
-    // the CTA's warps: that warp loads step i + NSTAGES into stage(i) (if there is one) and calls
-    // loaded(i + NSTAGES).
+    // the CTA's warps: that warp loads step i + NS into stage(i) (if there is one) and calls
+    // loaded(i + NS).
     __device__ __forceinline__ bool release(int i) {
         __syncwarp();
         uint32_t old = 0;
-        if ((threadIdx.x & 31) == 0) old = atom_add_acq_rel(done + i % NSTAGES, 1u);
+        if ((threadIdx.x & 31) == 0) old = atom_add_acq_rel(done + i % NS, 1u);
         old = __shfl_sync(0xFFFFFFFFu, old, 0);
-        return old == (uint32_t)(WARPS * (i / NSTAGES + 1) - 1);
+        return old == (uint32_t)(WARPS * (i / NS + 1) - 1);
     }
 };
 

@@ -117,6 +117,7 @@ inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 inline double __ll2double_rn(long long x) { return (double)x; }
