@@ -108,11 +108,9 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
 
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
-    auto load = [&](int i, int t) {  // raw K and V rows of keys 64t.., keys >= S zero (§8.1)
-        const size_t row0 = ((size_t)b * geo.S + (size_t)t * TILE) * geo.Hkv + hk;
-        auto row = [&](const uint16_t* x, int r) { return x + (row0 + (size_t)r * geo.Hkv) * D; };
-        ring.load(i, min(TILE, geo.S - t * TILE), [&](int r) { return row(a.k, r); },
-                  [&](int r) { return row(a.v, r); });
+    auto load = [&](int i, int t) {
+        p2_load_tile(ring.stage(i), a.k, a.v, b, hk, t, geo);
+        ring.loaded(i);
     };
     int cur = p2_next_tile(U, 0, Tmax);
     int ahead = cur;

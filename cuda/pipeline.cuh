@@ -8,9 +8,8 @@
 // ALU work.
 //
 // Protocol, per stage s = i mod NS of the CTA's i-th tile:
-//   full[s]  mbarrier, one arrival (the loading warp's expect_tx of the tile's bytes) plus the bytes
-//            of its bulk copies, one per row of K and V; consumers wait on its phase parity. Bulk
-//            copies cost the loader a few instructions per lane instead of 16-byte cp.async chunks.
+//   full[s]  mbarrier, 32 arrivals: the loading warp's cp.async.mbarrier.arrive.noinc, one per lane,
+//            each firing once the lane's copies have landed; consumers wait on its phase parity.
 //   done[s]  release counter: every warp adds 1 (acq_rel) after its last read of the stage; the
 //            warp that brings it to 12 (i / NS + 1) is the last reader, and loads tile i + NS there.
 // Counters only grow (no reset to race with), and every warp waits on every tile of the sequence,
@@ -35,36 +34,14 @@ __device__ __forceinline__ void mbar_inval(uint64_t* bar) {
     asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)));
 #endif
 }
-// One arrival on bar that also expects tx more bytes of bulk copies before the phase completes.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx) {
+// One arrival on bar once all of this thread's earlier cp.async copies have completed.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
 #ifdef APA_SIM
-    apa_sim::mbar_arrive_expect_tx(bar, tx);
+    apa_sim::mbar_arrive(bar);  // the simulator's copies are synchronous
 #else
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                     (uint32_t)__cvta_generic_to_shared(bar)),
-                 "r"(tx)
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(bar))
                  : "memory");
-#endif
-}
-// Bulk (TMA) copy of bytes (a multiple of 16, both addresses 16-byte aligned) into shared memory,
-// counted on bar when it lands.
-__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-#ifdef APA_SIM
-    memcpy(smem, gmem, bytes);
-    apa_sim::mbar_complete_tx(bar, bytes);
-#else
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-            (uint32_t)__cvta_generic_to_shared(smem)),
-        "l"(gmem), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
-        : "memory");
-#endif
-}
-// Orders this thread's view of earlier generic-proxy accesses (the readers' ldmatrix, published
-// to it by the release counter) before its bulk copies, which write through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() {
-#ifndef APA_SIM
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 // Wait until the phase of bar with the given parity has completed (acquire, CTA scope).
@@ -126,7 +103,7 @@ struct TileRing {
         if (threadIdx.x == 0) {
             for (int s = 0; s < RING_MAX_STAGES; ++s) {
                 if (!fresh) mbar_inval(full + s);
-                mbar_init(full + s, 1);
+                mbar_init(full + s, 32);
                 done[s] = 0;
             }
         }
@@ -135,32 +112,14 @@ struct TileRing {
     // The pass's own data after the stages.
     __device__ __forceinline__ uint16_t* tail() const { return base + NS * STAGE_HALVES; }
 
-    // Every lane of the warp that loads step i (the prologue gives step s < NS to warp s): rows
-    // r < nrows of K and V from krow(r) and vrow(r) (D halves each), rows nrows..63 zero.
-    template <class KRow, class VRow>
-    __device__ __forceinline__ void load(int i, int nrows, KRow&& krow, VRow&& vrow) {
-        uint16_t* st = stage(i);
-        uint64_t* bar = full + i % NS;
-        const int lane = threadIdx.x & 31;
-        fence_proxy_async();
-        constexpr int CH = D / 8;  // 16-byte chunks per row
-        for (int c = lane; c < (TILE - nrows) * CH; c += 32) {
-            const int r = nrows + c / CH, col = (c % CH) * 8;
-            *reinterpret_cast<uint4*>(st + r * LDS + col) = make_uint4(0u, 0u, 0u, 0u);
-            *reinterpret_cast<uint4*>(st + (TILE + r) * LDS + col) = make_uint4(0u, 0u, 0u, 0u);
-        }
-        __syncwarp();  // the zero rows before the arrival that publishes them
-        if (lane == 0) mbar_arrive_expect_tx(bar, (uint32_t)(2 * nrows * D * 2));
-        __syncwarp();
-        for (int r = lane; r < nrows; r += 32) {
-            bulk_copy(st + r * LDS, krow(r), D * 2, bar);
-            bulk_copy(st + (TILE + r) * LDS, vrow(r), D * 2, bar);
-        }
-    }
+    // Every lane of the warp that loaded step i (the prologue gives step s < NS to warp s), after
+    // issuing its copies.
+    __device__ __forceinline__ void loaded(int i) { cp_async_arrive(full + i % NS); }
     __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NS, (uint32_t)(i / NS) & 1u); }
 
     // Every lane of every warp, after the warp's last read of step i's stage. True for the last of
-    // the CTA's warps: that warp loads step i + NS into stage(i), if there is one.
+    // the CTA's warps: that warp loads step i + NS into stage(i) (if there is one) and calls
+    // loaded(i + NS).
     __device__ __forceinline__ bool release(int i) {
         __syncwarp();
         uint32_t old = 0;
