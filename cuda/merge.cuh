@@ -108,9 +108,11 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
 
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
-    auto load = [&](int i, int t) {
-        p2_load_tile(ring.stage(i), a.k, a.v, b, hk, t, geo);
-        ring.loaded(i);
+    auto load = [&](int i, int t) {  // raw K and V rows of keys 64t.., keys >= S zero (§8.1)
+        const size_t key0 = (size_t)b * geo.S + (size_t)t * TILE;
+        ring.load(i, min(TILE, geo.S - t * TILE),
+                  [&](int r) { return a.k + ((key0 + r) * geo.Hkv + hk) * D; },
+                  [&](int r) { return a.v + ((key0 + r) * geo.Hkv + hk) * D; });
     };
     int cur = p2_next_tile(U, 0, Tmax);
     int ahead = cur;

@@ -43,18 +43,6 @@ constexpr int P1_STAGES = 5;
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * LDS;
 constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
-// One warp copies K̂ and V̂ of a tile (64 rows x D halves each, 16-byte chunks) into a stage.
-__device__ __forceinline__ void p1_load_tile(uint16_t* stage, const uint16_t* khat_t, const uint16_t* vhat_t) {
-    constexpr int CH_PER_ROW = D / 8;
-    constexpr int CHUNKS = TILE * CH_PER_ROW;
-#pragma unroll 4
-    for (int c = threadIdx.x & 31; c < CHUNKS; c += 32) {
-        const int row = c / CH_PER_ROW, col = (c % CH_PER_ROW) * 8;
-        cp_async16(stage + row * LDS + col, khat_t + (size_t)row * D + col, 16);
-        cp_async16(stage + TILE * LDS + row * LDS + col, vhat_t + (size_t)row * D + col, 16);
-    }
-}
-
 // update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la.
 template <int NDN>
 __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float (&o)[NDN][4], int half) {
@@ -178,10 +166,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // The CTA's tile sequence (§6.4): step i visits tile_of(i); warps skip t > T_w.
     const int tmax = Tmax;  // (a lambda may not capture a structured binding before C++20)
     auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : tmax + 1 - i; };
-    auto load = [&](int i) {
-        const int t = tile_of(i);
-        p1_load_tile(ring.stage(i), khat_bh + (size_t)t * TILE * D, vhat_bh + (size_t)t * TILE * D);
-        ring.loaded(i);
+    auto load = [&](int i) {  // tile blobs of prep: 64 rows of D halves, padded with zero keys
+        const size_t base = (size_t)tile_of(i) * TILE * D;
+        ring.load(i, TILE, [&](int r) { return khat_bh + base + (size_t)r * D; },
+                  [&](int r) { return vhat_bh + base + (size_t)r * D; });
     };
     if (wl < P1_STAGES && wl <= Tmax) load(wl);
     cp_async_wait<0>();  // this lane's Q̂ copies (the tile copies are tracked by the ring)

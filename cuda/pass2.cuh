@@ -32,22 +32,6 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     st.l4_lo = st.l4_hi = 0.0f;
 }
 
-// One warp copies raw K and V of keys 64t..64t+63 of (b, hk) into a stage; keys >= S are zero (§8.1).
-__device__ __forceinline__ void p2_load_tile(uint16_t* stage, const uint16_t* k, const uint16_t* v, int b, int hk,
-                                             int t, const Geom& geo) {
-    constexpr int CH_PER_ROW = D / 8;
-    constexpr int CHUNKS = TILE * CH_PER_ROW;
-#pragma unroll 4
-    for (int c = threadIdx.x & 31; c < CHUNKS; c += 32) {
-        const int row = c / CH_PER_ROW, col = (c % CH_PER_ROW) * 8;
-        const int key = t * TILE + row;
-        const bool in = key < geo.S;
-        const size_t off = (((size_t)b * geo.S + (in ? key : 0)) * geo.Hkv + hk) * D + col;
-        cp_async16(stage + row * LDS + col, k + off, in ? 16u : 0u);
-        cp_async16(stage + TILE * LDS + row * LDS + col, v + off, in ? 16u : 0u);
-    }
-}
-
 // One hot tile of one warp (§8.1-8.5).
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
                                         const uint16_t* Vs, int t, int lim_lo, int lim_hi, float sh_lo, float sh_hi,

@@ -112,14 +112,27 @@ struct TileRing {
     // The pass's own data after the stages.
     __device__ __forceinline__ uint16_t* tail() const { return base + NS * STAGE_HALVES; }
 
-    // Every lane of the warp that loaded step i (the prologue gives step s < NS to warp s), after
-    // issuing its copies.
-    __device__ __forceinline__ void loaded(int i) { cp_async_arrive(full + i % NS); }
+    // Every lane of the warp that loads step i (the prologue gives step s < NS to warp s): rows
+    // r < nrows of K and V from krow(r) and vrow(r) (D halves each, 16-byte chunks), rows
+    // nrows..63 zero-filled.
+    template <class KRow, class VRow>
+    __device__ __forceinline__ void load(int i, int nrows, KRow&& krow, VRow&& vrow) {
+        constexpr int CH = D / 8;
+        uint16_t* st = stage(i);
+#pragma unroll 4
+        for (int c = threadIdx.x & 31; c < TILE * CH; c += 32) {
+            const int r = c / CH, col = (c % CH) * 8;
+            const bool in = r < nrows;
+            const uint32_t bytes = in ? 16u : 0u;
+            cp_async16(st + r * LDS + col, krow(in ? r : 0) + col, bytes);
+            cp_async16(st + (TILE + r) * LDS + col, vrow(in ? r : 0) + col, bytes);
+        }
+        cp_async_arrive(full + i % NS);
+    }
     __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NS, (uint32_t)(i / NS) & 1u); }
 
     // Every lane of every warp, after the warp's last read of step i's stage. True for the last of
-    // the CTA's warps: that warp loads step i + NS into stage(i) (if there is one) and calls
-    // loaded(i + NS).
+    // the CTA's warps: that warp loads step i + NS into stage(i), if there is one.
     __device__ __forceinline__ bool release(int i) {
         __syncwarp();
         uint32_t old = 0;
