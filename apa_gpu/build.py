@@ -37,7 +37,7 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 # numerics.md §1: no FMA contraction, subnormals kept, correctly rounded division.
 FLAGS = (
     "-cubin",
-    "-arch=sm_90",
+    "-arch=sm_90a",
     "-O3",
     "-std=c++17",
     "--fmad=false",

@@ -205,8 +205,8 @@ class Plan:
         self.qhat = cp.empty((B, Hkv, s.Rp, d), np.uint16)
         self.cq = cp.empty((B, Hkv, s.Rp), F32)
         self.sh = cp.empty((B, Hkv, s.Rp), F32)
-        self.khat = cp.empty((B, Hkv, s.ntkv * TILE, d), np.uint16)
-        self.vhat = cp.empty((B, Hkv, s.ntkv * TILE, d), np.uint16)
+        self.khat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
+        self.vhat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)
         self.part = cp.empty((B, Hkv, s.Rp, d), F32)
         self.ml = cp.empty((B, Hkv, s.Rp, 2), F32)
         self.hot = cp.zeros((B, Hkv, s.nw, s.W), np.uint32)
@@ -389,6 +389,14 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     )
 
 
+def _image_index(rows: int, cols: int) -> np.ndarray:
+    """[rows, cols] half offsets of a tile image (cuda/mma.cuh sw128_half: K-major rows of 64
+    halves, 16-byte chunk c of row r at chunk c ^ (r mod 8), every further 64 columns a block)."""
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    return (c // 64) * rows * 64 + r * 64 + (((c // 8) % 8) ^ (r % 8)) * 8 + c % 8
+
+
 def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dict:
     """Prep outputs (numerics.md §5) as NumPy arrays, laid out like apa_emu.prep.Prepared, for
     localising a mismatch: kmean [B,Hkv,d], kg, vg [B,Hkv], qhat [B,Hkv,R,d], cq, sh [B,Hkv,R],
@@ -408,15 +416,15 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     from apa_emu.prep import slot_keys
 
     slots = slot_keys(cfg.p_groups)
-    khat_slot = h(plan.khat).reshape(s.B, s.Hkv, s.ntkv, TILE, s.d)
+    khat_slot = h(plan.khat).reshape(s.B, s.Hkv, s.ntkv, TILE * s.d)[..., _image_index(TILE, s.d)]
     khat = np.empty_like(khat_slot)
     khat[:, :, :, slots] = khat_slot  # slot j holds key slots[j]
-    vhat = h(plan.vhat).reshape(s.B, s.Hkv, s.ntkv, TILE, s.d).transpose(0, 1, 2, 4, 3)
+    vhat = h(plan.vhat).reshape(s.B, s.Hkv, s.ntkv, TILE * s.d)[..., _image_index(s.d, TILE)]
     sc = plan.scales.get()
     return dict(
         kmean=plan.kmean.get(), kg=sc[..., 0], vg=sc[..., 1],
         qhat=h(plan.qhat)[:, :, : s.R], cq=plan.cq.get()[:, :, : s.R], sh=plan.sh.get()[:, :, : s.R],
-        khat=khat.reshape(s.B, s.Hkv, s.ntkv * TILE, s.d), vhat_t=np.ascontiguousarray(vhat),
+        khat=khat.reshape(s.B, s.Hkv, s.ntkv * TILE, s.d), vhat_t=vhat,
     )
 
 

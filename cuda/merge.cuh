@@ -42,7 +42,7 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
 // Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
 // warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
 constexpr int P2_STAGES = 6;
-constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
+constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES, false>();
 constexpr int P2_SMEM_WORDS = 1 + WARPS;
 
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
@@ -57,7 +57,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         warp_rows(geo, qb);
     const int nwords = (Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw + (warp_active ? w : 0)) * geo.W;
-    TileRing<P2_STAGES> ring(smem);
+    TileRing<P2_STAGES, false> ring(smem);
     ring.reset(fresh);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
     uint32_t* Hs = U + geo.W + wl * geo.W;  // this warp's words

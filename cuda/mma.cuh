@@ -89,6 +89,140 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// wgmma (sm_90a), for pass 1. mma_models.md §3: a wgmma k16 step is the same fused step (F = 25,
+// RZ-FP32) as mma.sync m16n8k16, and the per-warp fragments are mma.sync's: warp j of the
+// warpgroup holds rows 16j..16j+15 of A (registers or image) and of D, n-tile nt of D in acc[nt].
+// Shared-memory operands are K-major images with the 128-byte swizzle: rows of 64 halves
+// (128 bytes), 8-row groups 1024 bytes apart, 16-byte chunk c of row r stored at chunk c ^ (r & 7),
+// every further 64 channels in a block of its own after all rows. A k16 step starts 32 bytes
+// further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1):
+// scale-d = 0 is not verified to equal C = +0 (mma_models.md §3).
+// ---------------------------------------------------------------------------------------------
+
+// Half offset of element (r, c) in an image of R rows (K-major, channels or keys c).
+__host__ __device__ constexpr int sw128_half(int r, int c, int R) {
+    return (c >> 6) * R * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// Shared-window address (the simulator's is the host address; its low bits match the layout).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+#ifdef APA_SIM
+    return (uint32_t)reinterpret_cast<uintptr_t>(p);
+#else
+    return (uint32_t)__cvta_generic_to_shared(p);
+#endif
+}
+
+#ifdef APA_SIM
+// Halves k, k+1 (k even) of row n of the operand whose k16 step starts at start: the hardware's
+// address arithmetic (descriptor offsets, then the swizzle on address bits 4-6 by bits 7-9).
+inline uint32_t wg_pair(const uint16_t* start, int n, int k) {
+    uintptr_t p = reinterpret_cast<uintptr_t>(start) + (uintptr_t)((n >> 3) * 1024 + (n & 7) * 128 + 2 * k);
+    p ^= ((p >> 7) & 7) << 4;
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+// The B fragments of n-tile nt, then acc[nt] += A.B, for every n-tile (each warp on its own rows).
+template <int NT>
+inline void wg_sim_steps(float (&acc)[NT][4], const uint32_t (&a)[4], const uint16_t* b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
+    for (int nt = 0; nt < NT; ++nt)
+        apa_sim::mma_f32(acc[nt], a, wg_pair(b, 8 * nt + g, 2 * t0), wg_pair(b, 8 * nt + g, 2 * t0 + 8));
+}
+#else
+__device__ __forceinline__ uint64_t wg_desc(const uint16_t* start) {
+    return (uint64_t)((smem_addr(start) & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+#endif
+
+// Before the first wgmma of a chain: orders the warp's register writes of accumulators and A.
+__device__ __forceinline__ void wg_fence() {
+#ifndef APA_SIM
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+// After the last wgmma of a chain: commit, then wait until its results are in the registers (and
+// its shared-memory reads are done).
+__device__ __forceinline__ void wg_commit_wait() {
+#ifndef APA_SIM
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// acc += A.B over one k16 step, A and B (64 keys) from images: the scores of pass 1.
+__device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], const uint16_t* a, const uint16_t* b) {
+#ifdef APA_SIM
+    const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3, m = 16 * ((threadIdx.x >> 5) & 3) + g;
+    const uint32_t af[4] = {wg_pair(a, m, 2 * t0), wg_pair(a, m + 8, 2 * t0), wg_pair(a, m, 2 * t0 + 8),
+                            wg_pair(a, m + 8, 2 * t0 + 8)};
+    wg_sim_steps(acc, af, b);
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
+          "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
+          "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+          "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
+          "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
+          "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
+          "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
+          "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
+        : "l"(wg_desc(a)), "l"(wg_desc(b)), "r"(1));
+#endif
+}
+
+// acc += A.B over one k16 step, A from registers (mma.sync's A fragment), B (N = NT * 8 channels)
+// from an image: the cold P·V of pass 1.
+template <int NT>
+__device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a)[4], const uint16_t* b) {
+    static_assert(NT == 8 || NT == 16, "N = 64 or 128");
+#ifdef APA_SIM
+    wg_sim_steps(acc, a, b);
+#else
+    if constexpr (NT == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
+          "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
+          "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+          "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
+          "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
+          "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
+          "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
+          "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(wg_desc(b)), "r"(1));
+    } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
+          "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
+          "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+          "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
+          "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
+          "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
+          "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
+          "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]),
+          "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]),
+          "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]),
+          "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]),
+          "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]),
+          "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]),
+          "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
+          "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
+          "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(wg_desc(b)), "r"(1));
+    }
+#endif
+}
+
 // Ready flags of the fused launch: a release store and an acquire load at gpu scope.
 __device__ __forceinline__ void flag_release(unsigned int* p) {
 #ifdef APA_SIM

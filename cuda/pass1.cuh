@@ -36,12 +36,13 @@ struct Pass1Args {
 constexpr int VISIT_BYTES = 24 + 5 * 16 * 4;
 constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280;
 
-// Shared memory: the tile ring (pipeline.cuh; a stage holds K̂ then V̂ of one tile), then the
-// CTA's Q̂ rows; rows of LDS halves. Q̂ stays in shared memory (A fragments by ldmatrix per
-// k-step) to spare registers.
+// Shared memory: the tile ring (pipeline.cuh; a stage holds the K̂ then the V̂ᵀ image of one tile),
+// then Q̂ as one image of 64 rows per warpgroup (mma.cuh sw128_half). The MMAs are wgmma (mma.cuh):
+// the 4 warps of a warpgroup share each K̂/V̂ᵀ operand read, and no fragment passes through
+// registers except P̂.
 constexpr int P1_STAGES = 5;
-constexpr int P1_Q_HALVES = ROWS_PER_CTA * LDS;
-constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
+constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
+constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES, true>() + P1_Q_HALVES * 2;
 
 // update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la.
 template <int NDN>
@@ -129,22 +130,26 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
     const float lg2_lane = lg2_table(lane < 9 ? lane : 0);
-    TileRing<P1_STAGES> ring(smem);
+    TileRing<P1_STAGES, true> ring(smem);
     ring.reset(fresh);
     __syncthreads();
 
-    // Q̂ of the warp's 16 rows into shared memory (§7.1; A fragments by ldmatrix below), c_q per row.
-    // Only this warp reads them: its own wait and __syncwarp publish them.
-    uint16_t* Qs = ring.tail() + wl * 16 * LDS;
+    // Q̂ of the warp's 16 rows into its warpgroup's image (§7.1), c_q per row. Rows of warps past
+    // the CTA's rows are zero: the warpgroup's wgmma reads them too.
+    const int wrow = 16 * (wl & 3);                    // the warp's first row in the image
+    uint16_t* Qg = ring.tail() + (wl >> 2) * 64 * D;  // the warpgroup's image
     float cq_lo = 1.0f, cq_hi = 1.0f;
-    if (warp_active) {
-        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + row0) * D;  // rows row0..row0+15 (padded to Rp)
+    {
+        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + (warp_active ? row0 : 0)) * D;  // padded to Rp
         for (int c = lane; c < 16 * (D / 8); c += 32) {
             const int row = c / (D / 8), col = (c % (D / 8)) * 8;
-            cp_async16(Qs + row * LDS + col, qsrc + (size_t)row * D + col, 16);
+            cp_async16(Qg + sw128_half(wrow + row, col, 64),
+                       qsrc + (size_t)row * D + col, warp_active ? 16u : 0u);
         }
-        cq_lo = a.cq[bh * geo.Rp + r_lo];
-        cq_hi = a.cq[bh * geo.Rp + r_hi];
+        if (warp_active) {
+            cq_lo = a.cq[bh * geo.Rp + r_lo];
+            cq_hi = a.cq[bh * geo.Rp + r_hi];
+        }
     }
     cp_async_commit();
 
@@ -166,38 +171,34 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // The CTA's tile sequence (§6.4): step i visits tile_of(i); warps skip t > T_w.
     const int tmax = Tmax;  // (a lambda may not capture a structured binding before C++20)
     auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : tmax + 1 - i; };
-    auto load = [&](int i) {  // tile blobs of prep: 64 rows of D halves, padded with zero keys
+    auto load = [&](int i) {  // the tile images of prep, keys >= S zero
         const size_t base = (size_t)tile_of(i) * TILE * D;
-        ring.load(i, TILE, [&](int r) { return khat_bh + base + (size_t)r * D; },
-                  [&](int r) { return vhat_bh + base + (size_t)r * D; });
+        ring.load_images(i, khat_bh + base, vhat_bh + base);
     };
     if (wl < P1_STAGES && wl <= Tmax) load(wl);
-    cp_async_wait<0>();  // this lane's Q̂ copies (the tile copies are tracked by the ring)
-    __syncwarp();
+    // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
 
     for (int i = 0; i <= Tmax; ++i) {
         const int t = tile_of(i);
         ring.wait(i);
         const uint16_t* stage = ring.stage(i);
+        const uint16_t* Ks = stage;
+        const uint16_t* Vs = stage + TILE * D;
+        // §7.1 scores: per n-tile, a chain over channel k-steps ascending from C = +0. The whole
+        // warpgroup issues it (wgmma is collective); warps without the tile discard it.
+        float s[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < NKS; ++ks)
+            wgmma_ss_n64(s, Qg + (ks >> 2) * 64 * 64 + (ks & 3) * 16, Ks + (ks >> 2) * TILE * 64 + (ks & 3) * 16);
+        wg_commit_wait();
+        uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
         if (warp_active && t <= Tw) {
-            const uint16_t* Ks = stage;
-            const uint16_t* Vs = stage + TILE * LDS;
-            // §7.1 scores: per n-tile, a chain over channel k-steps ascending from C = +0.
-            float s[8][4];
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-            for (int ks = 0; ks < NKS; ++ks) {
-                uint32_t qa[4];  // A fragment: rows g / g+8, channels 16ks + 2t0 (+8)
-                ldsm_x4(qa, Qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 16 * ks + 8 * (lane >> 4));
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    uint32_t kb[4];
-                    ldsm_x4(kb, Ks + (8 * (2 * np + (lane >> 4)) + (lane & 7)) * LDS + 16 * ks + 8 * ((lane >> 3) & 1));
-                    mma_f32_acc(s[2 * np], qa, kb[0], kb[1]);
-                    mma_f32_acc(s[2 * np + 1], qa, kb[2], kb[3]);
-                }
-            }
             // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
             if (t * TILE + TILE - 1 > min(lim_lo, lim_hi)) {
 #pragma unroll
@@ -236,7 +237,6 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi);
-            uint32_t pa[4][4];
             if (a.quant_p)
                 p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
             else
@@ -263,6 +263,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
                 la_hi = fadd(la_hi, fmul(tl_hi, b_hi));
                 if (lane == 0) atomicOr(a.hot + (bh * geo.nw + w) * geo.W + (t >> 5), 1u << (t & 31));
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
                 // §7.8 cold branch.
                 p1_update(c_lo, m_lo, la_lo, lc_lo, o, 0);
@@ -271,18 +273,6 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 la_hi = fadd(la_hi, tl_hi);
                 lc_lo = fadd(lc_lo, tl_lo);
                 lc_hi = fadd(lc_hi, tl_hi);
-                // o = chain of P̂·V̂ over the 4 groups in slot order with C = o.
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-                    for (int dp = 0; dp < NDN / 2; ++dp) {
-                        uint32_t vb[4];
-                        ldsm_x4_trans(vb, Vs + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDS +
-                                              8 * (2 * dp + (lane >> 4)));
-                        mma_f32_acc(o[2 * dp], pa[kk], vb[0], vb[1]);
-                        mma_f32_acc(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
-                    }
-                }
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
@@ -303,6 +293,13 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #endif
             ++visit;
         }
+        // §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by
+        // the whole warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the
+        // largest term, which leaves o as it is bit for bit (mma_models.md §3).
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vs + 16 * kk);
+        wg_commit_wait();
         if (ring.release(i) && i + P1_STAGES <= Tmax) load(i + P1_STAGES);
     }
 

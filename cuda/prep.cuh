@@ -6,12 +6,15 @@
 //   amax [B, Hkv, 2] u32 (float bits of max|K|, max|V|; zeroed by the host)
 //   kmean [B, Hkv, D] f32; scales [B, Hkv, 2] f32 = (kg, vg)
 //   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
-//   khat, vhat [B, Hkv, ntkv*64, D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), rows of a
-//   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero.
+//   khat, vhat [B, Hkv, ntkv, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), keys of a
+//   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero. Each tile is the wgmma operand
+//   image pass 1 copies to shared memory as it is (mma.cuh sw128_half): K̂ with 64 rows (slots) of
+//   D channels, V̂ᵀ with D rows (channels) of 64 slots.
 #pragma once
 
 #include "common.cuh"
 #include "formats.cuh"
+#include "mma.cuh"
 
 namespace apa {
 
@@ -101,7 +104,8 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     if (idx >= (long long)g.ntkv * TILE * NB) return;
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
     const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
-    uint16_t* dst = khat + (bh * g.ntkv * TILE + row) * D + 16 * cb;
+    uint16_t* img = khat + (bh * g.ntkv + row / TILE) * TILE * D;
+    const int slot = row % TILE;
     float x[16];
     if (key < g.S) {
         const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
@@ -122,9 +126,8 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] = key < g.S ? f16x2(x[2 * i], x[2 * i + 1]) : 0u;
     }
-    uint4* d4 = reinterpret_cast<uint4*>(dst);
-    d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
-    d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb, TILE)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb + 8, TILE)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
 // §5.5 V̂ per channel and P group of 16 keys (slot order). One thread per (tile, group, channel):
@@ -152,22 +155,28 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
             x[i] = 0.0f;
         }
     }
-    uint16_t* dst = vhat + (bh * g.ntkv * TILE + (size_t)t * TILE + 16 * grp) * D + c;
+    uint16_t h[16];
     if (quant && any) {
         uint32_t codes[16];
         const uint32_t sb = quant16(x, codes, lsq);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-            dst[(size_t)i * D] = key < g.S ? h_bits(f16(q_value(codes[i], sb))) : (uint16_t)0;
+            h[i] = key < g.S ? h_bits(f16(q_value(codes[i], sb))) : (uint16_t)0;
         }
     } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-            dst[(size_t)i * D] = key < g.S ? h_bits(f16(x[i])) : (uint16_t)0;
+            h[i] = key < g.S ? h_bits(f16(x[i])) : (uint16_t)0;
         }
     }
+    uint32_t out[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
+    uint16_t* img = vhat + (bh * g.ntkv + t) * TILE * D;
+    *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
 // §5.3 Q̂, c_q and the row shift sh. D/16 threads per packed row (one per 16-channel block):

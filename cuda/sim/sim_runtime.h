@@ -46,16 +46,27 @@ void warp_exchange(const void* mine, void* all32, int bytes) {
 
 void syncwarp() { t_warp->bar.arrive_and_wait(); }
 
+constexpr uint64_t MB_FIELD = (1ull << 20) - 1, MB_TX = (1ull << 23) - 1;
 void mbar_init(uint64_t* bar, uint32_t count) {
-    __atomic_store_n(bar, ((uint64_t)count << 32) | count, __ATOMIC_RELEASE);
+    __atomic_store_n(bar, ((uint64_t)count << 20) | count, __ATOMIC_RELEASE);
 }
-void mbar_arrive(uint64_t* bar) {
+// One update: arrivals -= arrive, bytes += tx_add - tx_done; the phase completes (and re-arms)
+// when both reach zero.
+static void mbar_update(uint64_t* bar, uint32_t arrive, uint32_t tx_add, uint32_t tx_done) {
     uint64_t cur = __atomic_load_n(bar, __ATOMIC_ACQUIRE), next;
     do {
-        const uint64_t expected = (cur >> 32) & 0x7FFFFFFFu, pending = (cur & 0xFFFFFFFFu) - 1;
-        next = pending ? (cur & ~0xFFFFFFFFull) | pending : ((cur ^ (1ull << 63)) & ~0xFFFFFFFFull) | expected;
+        const uint64_t phase = cur >> 63, expected = (cur >> 20) & MB_FIELD;
+        const uint64_t pending = (cur & MB_FIELD) - arrive;
+        const uint64_t tx = (((cur >> 40) & MB_TX) + tx_add - tx_done) & MB_TX;
+        if (pending == 0 && tx == 0)
+            next = ((phase ^ 1) << 63) | (expected << 20) | expected;
+        else
+            next = (phase << 63) | (tx << 40) | (expected << 20) | pending;
     } while (!__atomic_compare_exchange_n(bar, &cur, next, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
 }
+void mbar_arrive(uint64_t* bar) { mbar_update(bar, 1, 0, 0); }
+void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 1, tx, 0); }
+void mbar_complete_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 0, 0, tx); }
 void mbar_wait(uint64_t* bar, uint32_t parity) {
     while ((__atomic_load_n(bar, __ATOMIC_ACQUIRE) >> 63) == parity) std::this_thread::yield();
 }
