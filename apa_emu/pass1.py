@@ -133,7 +133,11 @@ def pass1_warp(
                     slot = g * GROUP + i
                     j = slots[slot]
                     if k0 + j <= lim[r]:
-                        pp = exp2(s[r, j] * cq[r] + bias, soft or quant_p)  # §7.5: codes use exp2s
+                        y = s[r, j] * cq[r] + bias
+                        if quant_p and not soft:  # §7.5 fast: binary16 hardware exp2 (model)
+                            pp = f16r(exp2(f16r(min(y, np.float32(4))), False))
+                        else:
+                            pp = exp2(y, soft)
                     else:
                         pp = np.float32(0)
                     if quant_p:

@@ -446,12 +446,14 @@ def run_probe_mma(A, B, C, f16_out: bool):
     return D.get()
 
 
-def run_probe_exp2(x, fast: bool = False):
+def run_probe_exp2(x, variant: str = "soft"):
+    """exp2 of every element: "soft" (exp2s), "fast" (the hardware exp2), or the exp2s variants
+    "unit" (x in [0, 1)) and "nonpos" (x ≤ 0) of cuda/fpmath.cuh."""
     cp = _cupy()
     xd = cp.asarray(np.ascontiguousarray(x, dtype=F32))
     y = cp.empty_like(xd)
     n = xd.size
-    probe_kernel("apa_probe_exp2")((max(1, -(-n // 256)),), (256,), (xd, y, np.int64(n), I32(fast)))
+    probe_kernel("apa_probe_exp2")((max(1, -(-n // 256)),), (256,), (xd, y, np.int64(n), I32(("soft", "fast", "unit", "nonpos").index(variant))))
     return y.get()
 
 

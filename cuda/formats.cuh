@@ -80,19 +80,45 @@ __device__ __forceinline__ float step_above(float y, uint32_t t_bits) {
 #endif
 }
 
-// The E2M1 value is the sum of its steps, 0.5 each up to 2, then 1, 1, 2; scaled by sc
-// (= dec(kb) ≥ 2⁻⁶) every partial sum is n·sc/2 with n ≤ 12, so each FMA below is exact and the
-// result is e2m1(exp2s(y)) ⊗ sc bit for bit. y is never NaN here (c_q > 0 is finite; a masked key
-// has s = −inf, so y = −inf and every step is 0).
+// The E2M1 value is the sum of its steps, 0.5 each up to 2, then 1, 1, 2: n/2 with n = Σ s_k w_k,
+// w = 1, 1, 1, 1, 2, 2, 4. Every partial sum below is an integer ≤ 12 and n·(sc/2) with
+// sc = dec(kb) ≥ 2⁻⁹ has at most 8 significant bits, so each operation is exact whatever the
+// association: the tree (depth 4 instead of a chain of 7) is e2m1(exp2s(y)) ⊗ sc bit for bit.
+// y is never NaN here (c_q > 0 is finite; a masked key has s = −inf, so y = −inf and every step
+// is 0).
 __device__ __forceinline__ float e2m1_exp2s_scaled(float y, float sc) {
-    const float h = __fmul_rn(sc, 0.5f), d = __fmul_rn(sc, 2.0f);
-    float v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T0), h, 0.0f);
-    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T1), h, v);
-    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T2), h, v);
-    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T3), h, v);
-    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T4), sc, v);
-    v = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T5), sc, v);
-    return __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T6), d, v);
+    const float a = __fadd_rn(step_above(y, APA_E2M1_EXP2S_T0), step_above(y, APA_E2M1_EXP2S_T1));
+    const float b = __fadd_rn(step_above(y, APA_E2M1_EXP2S_T2), step_above(y, APA_E2M1_EXP2S_T3));
+    const float c = __fadd_rn(step_above(y, APA_E2M1_EXP2S_T4), step_above(y, APA_E2M1_EXP2S_T5));
+    const float n = __fmaf_rn(step_above(y, APA_E2M1_EXP2S_T6), 4.0f, __fmaf_rn(c, 2.0f, __fadd_rn(a, b)));
+    return __fmul_rn(n, __fmul_rn(sc, 0.5f));
+}
+
+// Fast mode (numerics.md §2, §7.5): the E2M1 values of a pair of y (two elements of one row and
+// group) from the hardware exp2 of f16(min(y, 4)), rounded to the E2M1 grid in binary16 and
+// saturated at 6, times sc2 = (dec(kb), dec(kb)); the products are exact binary16. Rounding:
+// x ⊕ C ⊖ C with C = 2^(max(e, 0) + 9) for x = 1.m·2^e, whose ulp is the E2M1 spacing at x (0.5 below
+// 2, then 1, then 2), RNE like e2m1(); x ≤ 16 keeps C's exponent field in range.
+__device__ __forceinline__ uint32_t e2m1_exp2_fast_x2(float y0, float y1, uint32_t sc2) {
+#ifdef APA_SIM
+    auto one = [](float y, __half sc) {
+        const float x = f32h(f16(exp2_hw(f32h(f16(fminf(y, 4.0f))))));
+        return h_bits(f16(fmul(e2m1_round(x), f32h(sc))));
+    };
+    return (uint32_t)one(y0, h2_lo(sc2)) | ((uint32_t)one(y1, h2_hi(sc2)) << 16);
+#else
+    uint32_t y, x, c, r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y) : "f"(y1), "f"(y0));
+    asm("min.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x44004400u));
+    asm("ex2.approx.f16x2 %0, %1;" : "=r"(x) : "r"(y));
+    c = (x & 0x7C007C00u) + 0x24002400u;  // exponent + 9 in each half: no carry out (x ≤ 16)
+    asm("max.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(0x60006000u));  // at least 2^9
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(c));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(c));
+    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0x46004600u));  // 6
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(sc2));
+    return r;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -45,11 +45,8 @@ __device__ __forceinline__ float pos_inf() { return __uint_as_float(0x7F800000u)
 #define APA_EXP2_C5 0x3AAFA26Eu
 #define APA_EXP2_C6 0x39212C6Cu
 
-// exp2s: the specified software exp2 (numerics.md §2 "soft").
-__device__ __forceinline__ float exp2s(float x) {
-    if (x != x) return x;                        // step 1: NaN -> NaN
-    if (x < -126.0f) return 0.0f;                // step 1: includes -inf -> +0
-    if (x >= 128.0f) return pos_inf();           // step 1
+// Steps 2-4 of exp2s for x in [-126, 128): p(f) and ji = j = round(x) as an integer.
+__device__ __forceinline__ float exp2s_poly(float x, int& ji) {
     const float RND = 12582912.0f;               // 1.5 * 2^23
     float j = fsub(fadd(x, RND), RND);           // step 2: nearest integer, ties to even
     float f = fsub(x, j);                        // step 3: exact
@@ -62,7 +59,17 @@ __device__ __forceinline__ float exp2s(float x) {
     p = fadd(fmul(p, f), f32_from_bits(APA_EXP2_C0));
     // j as an integer without a conversion instruction: x + 1.5*2^23 lies in [2^23, 2^24), where the
     // binary32 quantum is 1, so its low mantissa bits hold round(x) + 2^22 (exact, equal to j).
-    const int ji = (int)__float_as_uint(fadd(x, RND)) - 0x4B400000;
+    ji = (int)__float_as_uint(fadd(x, RND)) - 0x4B400000;
+    return p;
+}
+
+// exp2s: the specified software exp2 (numerics.md §2 "soft").
+__device__ __forceinline__ float exp2s(float x) {
+    if (x != x) return x;                        // step 1: NaN -> NaN
+    if (x < -126.0f) return 0.0f;                // step 1: includes -inf -> +0
+    if (x >= 128.0f) return pos_inf();           // step 1
+    int ji;
+    const float p = exp2s_poly(x, ji);
     float r;
     if (ji == 128) {                             // step 5: 2^128 is not a binary32
         r = fmul(fmul(p, 2.0f), f32_from_bits(0x7F000000u));
@@ -71,6 +78,24 @@ __device__ __forceinline__ float exp2s(float x) {
     }
     if (r < f32_from_bits(0x00800000u)) return 0.0f;   // step 6: subnormal result -> +0
     return r;
+}
+
+// exp2s on x ≤ 0 or NaN (frame rescales, pass-2 probabilities; an FP16 score overflow makes
+// inf - inf): steps 1 and 6 reduce to NaN → x and x < -126 → +0 (j ≥ -126 gives a normal result),
+// as selects; step 5 cannot apply.
+__device__ __forceinline__ float exp2s_nonpos(float x) {
+    int ji;
+    const float p = exp2s_poly(fmaxf(x, -126.0f), ji);
+    const float r = fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
+    return x != x ? x : x < -126.0f ? 0.0f : r;
+}
+
+// exp2s on [0, 1) (the P-scale mantissa of §7.4, once per row and group and tile): j is 0 or 1, so
+// steps 1, 5 and 6 cannot apply, and the warp skips their branches.
+__device__ __forceinline__ float exp2s_unit(float x) {
+    int ji;
+    const float p = exp2s_poly(x, ji);
+    return fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
 }
 
 // Hardware exp2 of the fast mode (numerics.md §2 "fast"): MUFU.EX2 with flush to zero.
@@ -94,6 +119,20 @@ __device__ __forceinline__ float exp2x(float x) {
     return exp2_hw(x);
 #else
     return exp2s(x);
+#endif
+}
+__device__ __forceinline__ float exp2x_nonpos(float x) {
+#if APA_EXP2_FAST
+    return exp2_hw(x);
+#else
+    return exp2s_nonpos(x);
+#endif
+}
+__device__ __forceinline__ float exp2x_unit(float x) {
+#if APA_EXP2_FAST
+    return exp2_hw(x);
+#else
+    return exp2s_unit(x);
 #endif
 }
 

@@ -142,12 +142,18 @@ __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-// After the last wgmma of a chain: commit, then wait until its results are in the registers (and
-// its shared-memory reads are done).
-__device__ __forceinline__ void wg_commit_wait() {
+// After the last wgmma of a chain: commit it as one group.
+__device__ __forceinline__ void wg_commit() {
 #ifndef APA_SIM
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Wait until at most N committed groups are pending: the results of the others are in the
+// registers and their shared-memory reads are done.
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#ifndef APA_SIM
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
 

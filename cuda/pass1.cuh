@@ -48,7 +48,7 @@ constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES, true>() + P1_Q_HALVES *
 template <int NDN>
 __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float (&o)[NDN][4], int half) {
     if (x != m) {
-        const float alpha = exp2x(fsub(m, x));
+        const float alpha = exp2x_nonpos(fsub(m, x));
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
             o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
@@ -74,7 +74,7 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
         scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
         return fsub(Lc, cu);
     }
-    const float e = exp2x(fsub(u, fl));
+    const float e = exp2x_unit(fsub(u, fl));  // u - fl in [0, 1)
     int mi = (int)ceilf(fmul(8.0f, fsub(e, 1.0f)));
 #if APA_EXP2_FAST
     mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
@@ -85,7 +85,8 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
 // holds the scale and bias of group t0 (p1_pscale) and the quad exchanges them. QUANT (§7.5 on):
-// e2m1(exp2s(y)) by thresholds, in both exp2 modes, so no per-element exp2 at all.
+// e2m1(exp2s(y)) by thresholds, so no per-element exp2 at all; in the fast mode, the hardware exp2
+// in binary16 pairs instead.
 template <bool QUANT>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
                                           float my_bias_hi, float my_sc_lo, float my_sc_hi, uint32_t (&pa)[4][4]) {
@@ -97,6 +98,20 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
         const float sc_hi = __shfl_sync(0xFFFFFFFFu, my_sc_hi, src);
         const float bias_lo = __shfl_sync(0xFFFFFFFFu, my_bias_lo, src);
         const float bias_hi = __shfl_sync(0xFFFFFFFFu, my_bias_hi, src);
+#if APA_EXP2_FAST
+        if constexpr (QUANT) {  // §7.5 fast: pairs in binary16 from the hardware exp2
+            const uint32_t sc2_lo = f16x2(sc_lo, sc_lo), sc2_hi = f16x2(sc_hi, sc_hi);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const float (&sj)[4] = s[2 * gi + j];
+                pa[gi][2 * j] = e2m1_exp2_fast_x2(fadd(fmul(sj[0], cq_lo), bias_lo), fadd(fmul(sj[1], cq_lo), bias_lo),
+                                                  sc2_lo);
+                pa[gi][2 * j + 1] = e2m1_exp2_fast_x2(fadd(fmul(sj[2], cq_hi), bias_hi),
+                                                      fadd(fmul(sj[3], cq_hi), bias_hi), sc2_hi);
+            }
+            continue;
+        }
+#endif
         float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -181,22 +196,28 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     fence_proxy_async();
     __syncthreads();
 
-    for (int i = 0; i <= Tmax; ++i) {
-        const int t = tile_of(i);
+    // §7.1 scores of step i: per n-tile, a chain over channel k-steps ascending from C = +0. The
+    // whole warpgroup issues it (wgmma is collective); warps without the tile discard it.
+    float s[8][4];
+    auto issue_scores = [&](int i) {
         ring.wait(i);
-        const uint16_t* stage = ring.stage(i);
-        const uint16_t* Ks = stage;
-        const uint16_t* Vs = stage + TILE * D;
-        // §7.1 scores: per n-tile, a chain over channel k-steps ascending from C = +0. The whole
-        // warpgroup issues it (wgmma is collective); warps without the tile discard it.
-        float s[8][4];
+        const uint16_t* Ks = ring.stage(i);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < NKS; ++ks)
             wgmma_ss_n64(s, Qg + (ks >> 2) * 64 * 64 + (ks & 3) * 16, Ks + (ks >> 2) * TILE * 64 + (ks & 3) * 16);
-        wg_commit_wait();
+        wg_commit();
+    };
+    // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
+    // warp releases a stage once both are done (its V̂ᵀ feeds the former).
+    issue_scores(0);
+    for (int i = 0; i <= Tmax; ++i) {
+        const int t = tile_of(i);
+        wg_wait<0>();
+        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= Tmax) load(i - 1 + P1_STAGES);
+        const uint16_t* Vs = ring.stage(i) + TILE * D;
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
         if (warp_active && t <= Tw) {
             // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
@@ -247,8 +268,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // §7.7 hot test (warp vote over valid rows).
-            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x(fsub(m_lo, c_lo));
-            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x(fsub(m_hi, c_hi));
+            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x_nonpos(fsub(m_lo, c_lo));
+            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x_nonpos(fsub(m_hi, c_hi));
             const bool hp_lo = v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
             const bool hp_hi = v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
             const bool hot = __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
@@ -256,8 +277,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 // §7.8 hot branch.
                 const float f_lo = fmaxf(m_lo, fsub(c_lo, a.delta));
                 const float f_hi = fmaxf(m_hi, fsub(c_hi, a.delta));
-                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x(fsub(c_lo, f_lo));
-                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x(fsub(c_hi, f_hi));
+                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x_nonpos(fsub(c_lo, f_lo));
+                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x_nonpos(fsub(c_hi, f_hi));
                 p1_update(f_lo, m_lo, la_lo, lc_lo, o, 0);
                 p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
                 la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
@@ -299,9 +320,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vs + 16 * kk);
-        wg_commit_wait();
-        if (ring.release(i) && i + P1_STAGES <= Tmax) load(i + P1_STAGES);
+        wg_commit();
+        if (i < Tmax) issue_scores(i + 1);
     }
+    wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
     // §7.10 export.
     if (warp_active) {
