@@ -453,7 +453,8 @@ def run_probe_exp2(x, variant: str = "soft"):
     xd = cp.asarray(np.ascontiguousarray(x, dtype=F32))
     y = cp.empty_like(xd)
     n = xd.size
-    probe_kernel("apa_probe_exp2")((max(1, -(-n // 256)),), (256,), (xd, y, np.int64(n), I32(("soft", "fast", "unit", "nonpos").index(variant))))
+    mode = I32(("soft", "fast", "unit", "nonpos").index(variant))
+    probe_kernel("apa_probe_exp2")((max(1, -(-n // 256)),), (256,), (xd, y, np.int64(n), mode))
     return y.get()
 
 

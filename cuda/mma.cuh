@@ -114,25 +114,41 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 #endif
 }
 
+// A shared-memory operand of wgmma: its descriptor (the start address in 16-byte units, SBO = 1024
+// bytes, 128-byte swizzle), built once per image; a k16 step or block offset is an addition to the
+// address field (images stay below 256 KB, so it never carries out). The simulator keeps the pointer.
+struct WgOperand {
+#ifdef APA_SIM
+    const uint16_t* p;
+    WgOperand plus(int halves) const { return {p + halves}; }
+#else
+    uint64_t d;
+    __device__ __forceinline__ WgOperand plus(int halves) const { return {d + (uint64_t)(halves >> 3)}; }
+#endif
+};
+__device__ __forceinline__ WgOperand wg_operand(const uint16_t* start) {
+#ifdef APA_SIM
+    return {start};
+#else
+    return {(uint64_t)((smem_addr(start) & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
+            (1ull << 62)};
+#endif
+}
+
 #ifdef APA_SIM
 // Halves k, k+1 (k even) of row n of the operand whose k16 step starts at start: the hardware's
 // address arithmetic (descriptor offsets, then the swizzle on address bits 4-6 by bits 7-9).
-inline uint32_t wg_pair(const uint16_t* start, int n, int k) {
-    uintptr_t p = reinterpret_cast<uintptr_t>(start) + (uintptr_t)((n >> 3) * 1024 + (n & 7) * 128 + 2 * k);
+inline uint32_t wg_pair(WgOperand op, int n, int k) {
+    uintptr_t p = reinterpret_cast<uintptr_t>(op.p) + (uintptr_t)((n >> 3) * 1024 + (n & 7) * 128 + 2 * k);
     p ^= ((p >> 7) & 7) << 4;
     return *reinterpret_cast<const uint32_t*>(p);
 }
 // The B fragments of n-tile nt, then acc[nt] += A.B, for every n-tile (each warp on its own rows).
 template <int NT>
-inline void wg_sim_steps(float (&acc)[NT][4], const uint32_t (&a)[4], const uint16_t* b) {
+inline void wg_sim_steps(float (&acc)[NT][4], const uint32_t (&a)[4], WgOperand b) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
     for (int nt = 0; nt < NT; ++nt)
         apa_sim::mma_f32(acc[nt], a, wg_pair(b, 8 * nt + g, 2 * t0), wg_pair(b, 8 * nt + g, 2 * t0 + 8));
-}
-#else
-__device__ __forceinline__ uint64_t wg_desc(const uint16_t* start) {
-    return (uint64_t)((smem_addr(start) & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           (1ull << 62);
 }
 #endif
 
@@ -158,7 +174,7 @@ __device__ __forceinline__ void wg_wait() {
 }
 
 // acc += A.B over one k16 step, A and B (64 keys) from images: the scores of pass 1.
-__device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], const uint16_t* a, const uint16_t* b) {
+__device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], WgOperand a, WgOperand b) {
 #ifdef APA_SIM
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3, m = 16 * ((threadIdx.x >> 5) & 3) + g;
     const uint32_t af[4] = {wg_pair(a, m, 2 * t0), wg_pair(a, m + 8, 2 * t0), wg_pair(a, m, 2 * t0 + 8),
@@ -168,7 +184,9 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], const uint16_t*
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+        " %32, %33, p, 1, 1, 0, 0;\n}\n"
         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
           "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
           "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
@@ -177,14 +195,14 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], const uint16_t*
           "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
           "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
           "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-        : "l"(wg_desc(a)), "l"(wg_desc(b)), "r"(1));
+        : "l"(a.d), "l"(b.d), "r"(1));
 #endif
 }
 
 // acc += A.B over one k16 step, A from registers (mma.sync's A fragment), B (N = NT * 8 channels)
 // from an image: the cold P·V of pass 1.
 template <int NT>
-__device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a)[4], const uint16_t* b) {
+__device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a)[4], WgOperand b) {
     static_assert(NT == 8 || NT == 16, "N = 64 or 128");
 #ifdef APA_SIM
     wg_sim_steps(acc, a, b);
@@ -193,7 +211,9 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+        " {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
           "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
           "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
@@ -202,12 +222,16 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
           "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
           "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
           "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(wg_desc(b)), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b.d), "r"(1));
     } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"
+        " {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
         : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
           "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
           "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
@@ -224,7 +248,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
           "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
           "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
           "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(wg_desc(b)), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b.d), "r"(1));
     }
 #endif
 }

@@ -199,15 +199,17 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // §7.1 scores of step i: per n-tile, a chain over channel k-steps ascending from C = +0. The
     // whole warpgroup issues it (wgmma is collective); warps without the tile discard it.
     float s[8][4];
+    const WgOperand Qop = wg_operand(Qg), stage_op = wg_operand(ring.stage(0));
     auto issue_scores = [&](int i) {
         ring.wait(i);
-        const uint16_t* Ks = ring.stage(i);
+        const WgOperand Kop = stage_op.plus((i % P1_STAGES) * ring.STAGE);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < NKS; ++ks)
-            wgmma_ss_n64(s, Qg + (ks >> 2) * 64 * 64 + (ks & 3) * 16, Ks + (ks >> 2) * TILE * 64 + (ks & 3) * 16);
+            wgmma_ss_n64(s, Qop.plus((ks >> 2) * 64 * 64 + (ks & 3) * 16),
+                         Kop.plus((ks >> 2) * TILE * 64 + (ks & 3) * 16));
         wg_commit();
     };
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
@@ -217,7 +219,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         const int t = tile_of(i);
         wg_wait<0>();
         if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= Tmax) load(i - 1 + P1_STAGES);
-        const uint16_t* Vs = ring.stage(i) + TILE * D;
+        const WgOperand Vop = stage_op.plus((i % P1_STAGES) * ring.STAGE + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
         if (warp_active && t <= Tw) {
             // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
@@ -319,7 +321,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         // largest term, which leaves o as it is bit for bit (mma_models.md §3).
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vs + 16 * kk);
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
         wg_commit();
         if (i < Tmax) issue_scores(i + 1);
     }
