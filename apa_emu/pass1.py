@@ -133,11 +133,11 @@ def pass1_warp(
                     slot = g * GROUP + i
                     j = slots[slot]
                     if k0 + j <= lim[r]:
-                        y = s[r, j] * cq[r] + bias
-                        if quant_p and not soft:  # §7.5 fast: binary16 hardware exp2 (model)
+                        if quant_p and not soft:  # §7.5 fast: y by an FMA, binary16 hardware exp2 (model)
+                            y = np.float32(np.float64(s[r, j]) * np.float64(cq[r]) + np.float64(bias))
                             pp = f16r(exp2(f16r(min(y, np.float32(4))), False))
                         else:
-                            pp = exp2(y, soft)
+                            pp = exp2(s[r, j] * cq[r] + bias, soft)
                     else:
                         pp = np.float32(0)
                     if quant_p:

@@ -207,6 +207,8 @@ class Plan:
         self.sh = cp.empty((B, Hkv, s.Rp), F32)
         self.khat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
         self.vhat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)
+        self.kimg = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)  # FP16 tile images for pass 2
+        self.vimg = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)
         self.part = cp.empty((B, Hkv, s.Rp, d), F32)
         self.ml = cp.empty((B, Hkv, s.Rp, 2), F32)
         self.hot = cp.zeros((B, Hkv, s.nw, s.W), np.uint32)
@@ -274,8 +276,10 @@ class Plan:
                      (k, self.kmean, self.scales, self.khat, *g, I32(cfg.quant_k), lsq, inter))
         self._launch("apa_prep_v", (-(-s.ntkv * 4 * s.d // 128), s.Hkv, s.B), 128,
                      (v, self.scales, self.vhat, *g, I32(cfg.quant_v), lsq, inter))
+        self._launch("apa_prep_kv16", (-(-s.ntkv * TILE * (s.d // 8) // 128), s.Hkv, s.B), 128,
+                     (k, v, self.kimg, self.vimg, *g))
 
-    def attend(self, q, k, v):
+    def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
         s, cfg, g = self.shape, self.cfg, self.shape.geom_args()
         grid = (s.nqb, s.Hkv, s.B)
@@ -287,7 +291,8 @@ class Plan:
             grid = (max(1, min(_num_sms(), n_tickets)),)
             self._launch("apa_fused", grid, THREADS,
                          (self.qhat, self.cq, self.khat, self.vhat, self.scales, self.part, self.ml, self.hot,
-                          self.visits, self.visit_base, q, k, v, self.sh, self.out, self.rows, self.row_base,
+                          self.visits, self.visit_base, q, self.kimg, self.vimg, self.sh, self.out, self.rows,
+                          self.row_base,
                           self.counters, self.flags, I32(s.B), *g, *self.p1_consts,
                           I32(cfg.tile_order == "ascending"), I32(cfg.p_scale == "pow2"),
                           I32(cfg.p_groups == "interleaved"), I32(cfg.quant_p), self.qmul, I32(self.all_hot)),
@@ -301,13 +306,14 @@ class Plan:
                           I32(cfg.p_groups == "interleaved"), I32(cfg.quant_p)),
                          self.smem1)
         self._launch("apa_pass2", grid, THREADS,
-                     (q, k, v, self.sh, self.part, self.ml, self.hot, self.out, self.rows, self.row_base,
+                     (q, self.kimg, self.vimg, self.sh, self.part, self.ml, self.hot, self.out, self.rows,
+                      self.row_base,
                       *g, self.qmul, I32(self.all_hot)),
                      self.smem2)
 
     def run(self, q, k, v):
         self.prep(q, k, v)
-        self.attend(q, k, v)
+        self.attend(q)
         return self.out
 
     # -- results --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 // (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time argument.
 //
 // Launch sequence (apa_gpu/launch.py), all on one stream:
-//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v
+//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v, apa_prep_kv16
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge).
 // Every kernel takes the geometry (n, H, Hkv, S, q_offset) as int32 and batch as grid z.
 #include "common.cuh"
@@ -40,6 +40,13 @@ apa_prep_v(const uint16_t* v, const float* scales, uint16_t* vhat, int n, int H,
            int quant, int lsq, int interleaved) {
     const Geom g(n, H, Hkv, S, q_offset);
     prep_v(v, scales, vhat, g, quant != 0, lsq != 0, interleaved != 0);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+apa_prep_kv16(const uint16_t* k, const uint16_t* v, uint16_t* kimg, uint16_t* vimg, int n, int H, int Hkv, int S,
+              int q_offset) {
+    const Geom g(n, H, Hkv, S, q_offset);
+    prep_kv16(k, v, kimg, vimg, g);
 }
 
 extern "C" __global__ void __launch_bounds__(128)

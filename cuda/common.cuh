@@ -31,7 +31,6 @@ constexpr int TILE = 64;              // keys per tile (§6.3)
 constexpr int WARPS = 12;             // warps per CTA (§6.2)
 constexpr int ROWS_PER_CTA = 16 * WARPS;
 constexpr int THREADS = 32 * WARPS;
-constexpr int LDS = D + 8;            // padded shared-memory row (halves): conflict-free ldmatrix
 constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
 
 // Runtime geometry of one call (numerics.md §6.1-6.3), derived from the basic sizes.

@@ -9,7 +9,7 @@ namespace apa {
 
 struct Pass2Args {
     const uint16_t* q;       // [B, n, H, D] f16
-    const uint16_t* k;       // [B, S, Hkv, D] f16
+    const uint16_t* k;       // [B, Hkv, ntkv, 64 * D] f16 tile images (prep.cuh prep_kv16)
     const uint16_t* v;
     const float* sh;         // [B, Hkv, Rp]
     const float* part;       // [B, Hkv, Rp, D] (unused when all_hot)
@@ -42,7 +42,7 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
 // Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
 // warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
 constexpr int P2_STAGES = 6;
-constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES, false>();
+constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
 constexpr int P2_SMEM_WORDS = 1 + WARPS;
 
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
@@ -57,7 +57,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         warp_rows(geo, qb);
     const int nwords = (Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw + (warp_active ? w : 0)) * geo.W;
-    TileRing<P2_STAGES, false> ring(smem);
+    TileRing<P2_STAGES> ring(smem);
     ring.reset(fresh);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
     uint32_t* Hs = U + geo.W + wl * geo.W;  // this warp's words
@@ -108,11 +108,9 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
 
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
-    auto load = [&](int i, int t) {  // raw K and V rows of keys 64t.., keys >= S zero (§8.1)
-        const size_t key0 = (size_t)b * geo.S + (size_t)t * TILE;
-        ring.load(i, min(TILE, geo.S - t * TILE),
-                  [&](int r) { return a.k + ((key0 + r) * geo.Hkv + hk) * D; },
-                  [&](int r) { return a.v + ((key0 + r) * geo.Hkv + hk) * D; });
+    auto load = [&](int i, int t) {  // K and V of keys 64t.., keys >= S zero (§8.1)
+        const size_t base = (bh * geo.ntkv + t) * TILE * D;
+        ring.load_images(i, a.k + base, a.v + base);
     };
     int cur = p2_next_tile(U, 0, Tmax);
     int ahead = cur;
@@ -124,7 +122,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         ring.wait(i);
         const uint16_t* stage = ring.stage(i);
         if (warp_active && cur <= Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
-            p2_tile(st, qa, stage, stage + TILE * LDS, cur, lim_lo, lim_hi, sh_lo, sh_hi, a.qmul);
+            p2_tile(st, qa, stage, stage + TILE * D, cur, lim_lo, lim_hi, sh_lo, sh_hi, a.qmul);
         if (ring.release(i) && ahead <= Tmax) load(i + P2_STAGES, ahead);
         ahead = p2_next_tile(U, ahead + 1, Tmax);
         cur = p2_next_tile(U, cur + 1, Tmax);

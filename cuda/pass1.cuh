@@ -42,7 +42,7 @@ constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_
 // registers except P̂.
 constexpr int P1_STAGES = 5;
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
-constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES, true>() + P1_Q_HALVES * 2;
+constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
 // update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la.
 template <int NDN>
@@ -98,34 +98,32 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
         const float sc_hi = __shfl_sync(0xFFFFFFFFu, my_sc_hi, src);
         const float bias_lo = __shfl_sync(0xFFFFFFFFu, my_bias_lo, src);
         const float bias_hi = __shfl_sync(0xFFFFFFFFu, my_bias_hi, src);
-#if APA_EXP2_FAST
-        if constexpr (QUANT) {  // §7.5 fast: pairs in binary16 from the hardware exp2
+        if constexpr (QUANT && APA_EXP2_FAST) {  // §7.5 fast: y by one FMA, binary16 pairs
             const uint32_t sc2_lo = f16x2(sc_lo, sc_lo), sc2_hi = f16x2(sc_hi, sc_hi);
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const float (&sj)[4] = s[2 * gi + j];
-                pa[gi][2 * j] = e2m1_exp2_fast_x2(fadd(fmul(sj[0], cq_lo), bias_lo), fadd(fmul(sj[1], cq_lo), bias_lo),
+                pa[gi][2 * j] = e2m1_exp2_fast_x2(__fmaf_rn(sj[0], cq_lo, bias_lo), __fmaf_rn(sj[1], cq_lo, bias_lo),
                                                   sc2_lo);
-                pa[gi][2 * j + 1] = e2m1_exp2_fast_x2(fadd(fmul(sj[2], cq_hi), bias_hi),
-                                                      fadd(fmul(sj[3], cq_hi), bias_hi), sc2_hi);
+                pa[gi][2 * j + 1] = e2m1_exp2_fast_x2(__fmaf_rn(sj[2], cq_hi, bias_hi),
+                                                      __fmaf_rn(sj[3], cq_hi, bias_hi), sc2_hi);
             }
-            continue;
-        }
-#endif
-        float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
+        } else {
+            float ph[2][4];  // [n-tile 2gi + j][lo e0, lo e1, hi e0, hi e1]
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+            for (int j = 0; j < 2; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool hi = e >= 2;
-                const float y = fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo);
-                ph[j][e] = QUANT ? e2m1_exp2s_scaled(y, hi ? sc_hi : sc_lo) : fmul(exp2x(y), hi ? sc_hi : sc_lo);
+                for (int e = 0; e < 4; ++e) {
+                    const bool hi = e >= 2;
+                    const float y = fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo);
+                    ph[j][e] = QUANT ? e2m1_exp2s_scaled(y, hi ? sc_hi : sc_lo) : fmul(exp2x(y), hi ? sc_hi : sc_lo);
+                }
             }
+            pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
+            pa[gi][1] = f16x2(ph[0][2], ph[0][3]);
+            pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
+            pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
         }
-        pa[gi][0] = f16x2(ph[0][0], ph[0][1]);
-        pa[gi][1] = f16x2(ph[0][2], ph[0][3]);
-        pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
-        pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
     }
 }
 
@@ -145,7 +143,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
     const float lg2_lane = lg2_table(lane < 9 ? lane : 0);
-    TileRing<P1_STAGES, true> ring(smem);
+    TileRing<P1_STAGES> ring(smem);
     ring.reset(fresh);
     __syncthreads();
 
@@ -202,7 +200,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     const WgOperand Qop = wg_operand(Qg), stage_op = wg_operand(ring.stage(0));
     auto issue_scores = [&](int i) {
         ring.wait(i);
-        const WgOperand Kop = stage_op.plus((i % P1_STAGES) * ring.STAGE);
+        const WgOperand Kop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
         wg_fence();
@@ -219,7 +217,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         const int t = tile_of(i);
         wg_wait<0>();
         if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= Tmax) load(i - 1 + P1_STAGES);
-        const WgOperand Vop = stage_op.plus((i % P1_STAGES) * ring.STAGE + TILE * D);
+        const WgOperand Vop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
         if (warp_active && t <= Tw) {
             // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).

@@ -38,6 +38,14 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
                                         float qmul) {
     constexpr int NKS = D / 16, NDN = D / 8;
     const int lane = threadIdx.x & 31, t0 = lane & 3;
+    // ldmatrix row addresses in the tile images: sw128_half(r, c, TILE) with the lane's r and c
+    // split into the lane's part and the k-step's; r mod 8 = lane mod 8 in every matrix, so the
+    // swizzle is an XOR of the k-step's chunk bits with one per-lane constant.
+    const int l7 = lane & 7;
+    const uint16_t* k_rows = Ks + 64 * (8 * (lane >> 4) + l7);          // r = 16 np + 8 (lane >> 4) + l7
+    const int k_chunk = ((lane >> 3) & 1) ^ l7;                          // c = 16 ks + 8 ((lane >> 3) & 1)
+    const uint16_t* v_rows = Vs + 64 * (8 * ((lane >> 3) & 1) + l7);    // r = 16 kk + 8 ((lane >> 3) & 1) + l7
+    const int v_chunk = (lane >> 4) ^ l7;                                // c = 16 dp + 8 (lane >> 4)
     // §8.1 S = chain over channels from C = +0, FP16 accumulation.
     uint32_t s16[8][2];
 #pragma unroll
@@ -47,7 +55,7 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t kb[4];
-            ldsm_x4(kb, Ks + (8 * (2 * np + (lane >> 4)) + (lane & 7)) * LDS + 16 * ks + 8 * ((lane >> 3) & 1));
+            ldsm_x4(kb, k_rows + 1024 * np + 4096 * (ks >> 2) + ((((ks & 3) << 1) ^ k_chunk) << 3));
             mma_f16_acc(s16[2 * np], qa[ks], kb[0], kb[1]);
             mma_f16_acc(s16[2 * np + 1], qa[ks], kb[2], kb[3]);
         }
@@ -122,7 +130,7 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
 #pragma unroll
         for (int dp = 0; dp < NDN / 2; ++dp) {
             uint32_t vb[4];
-            ldsm_x4_trans(vb, Vs + (16 * kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * LDS + 8 * (2 * dp + (lane >> 4)));
+            ldsm_x4_trans(vb, v_rows + 1024 * kk + 4096 * (dp >> 2) + ((((dp & 3) << 1) ^ v_chunk) << 3));
 #if APA_P2_F32
             mma_f32_acc(st.O[2 * dp], pa[kk], vb[0], vb[1]);
             mma_f32_acc(st.O[2 * dp + 1], pa[kk], vb[2], vb[3]);

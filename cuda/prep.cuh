@@ -6,6 +6,7 @@
 //   amax [B, Hkv, 2] u32 (float bits of max|K|, max|V|; zeroed by the host)
 //   kmean [B, Hkv, D] f32; scales [B, Hkv, 2] f32 = (kg, vg)
 //   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
+//   kimg, vimg [B, Hkv, ntkv, 64 * D] f16: K and V tile images for pass 2 (prep_kv16)
 //   khat, vhat [B, Hkv, ntkv, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), keys of a
 //   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero. Each tile is the wgmma operand
 //   image pass 1 copies to shared memory as it is (mma.cuh sw128_half): K̂ with 64 rows (slots) of
@@ -23,6 +24,17 @@ __device__ __forceinline__ long long f16_units(uint16_t bits) {
     const int e = (bits >> 10) & 31, m = bits & 1023;
     const long long mag = e == 0 ? (long long)m : ((long long)(1024 + m) << (e - 1));
     return (bits & 0x8000u) ? -mag : mag;
+}
+
+// A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
+struct PrepThread {
+    int b, hk;
+    size_t bh;
+    long long idx;
+};
+__device__ __forceinline__ PrepThread prep_thread(const Geom& g) {
+    const int b = blockIdx.z, hk = blockIdx.y;
+    return {b, hk, (size_t)b * g.Hkv + hk, (long long)blockIdx.x * blockDim.x + threadIdx.x};
 }
 
 // §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
@@ -98,9 +110,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
                                        const Geom& g, bool quant, bool lsq, bool interleaved) {
     constexpr int NB = D / 16;
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const size_t bh = (size_t)b * g.Hkv + hk;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * TILE * NB) return;
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
     const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
@@ -135,9 +145,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, const Geom& g, bool quant, bool lsq,
                                        bool interleaved) {
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const size_t bh = (size_t)b * g.Hkv + hk;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * 4 * D) return;
     const int c = (int)(idx % D);
     const int grp = (int)((idx / D) % 4);
@@ -179,6 +187,27 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
+// §8 pass-2 operands: K and V of each tile as FP16 images (mma.cuh sw128_half; 64 rows of keys in
+// key order, D channels, keys >= S zero), so that pass 2 loads a tile with two bulk copies and its
+// ldmatrix reads are free of bank conflicts. One thread per 16-byte chunk of a row:
+// grid (ceil(ntkv*64*D/8 / 128), Hkv, B), block 128.
+__device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+                                          uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const Geom& g) {
+    constexpr int CH = D / 8;
+    const auto [b, hk, bh, idx] = prep_thread(g);
+    if (idx >= (long long)g.ntkv * TILE * CH) return;
+    const int key = (int)(idx / CH), c = (int)(idx % CH);
+    uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = kc;
+    if (key < g.S) {
+        const size_t src = (((size_t)b * g.S + key) * g.Hkv + hk) * D + 8 * c;
+        kc = *reinterpret_cast<const uint4*>(k + src);
+        vc = *reinterpret_cast<const uint4*>(v + src);
+    }
+    const size_t dst = (bh * g.ntkv + key / TILE) * TILE * D + sw128_half(key % TILE, 8 * c, TILE);
+    *reinterpret_cast<uint4*>(kimg + dst) = kc;
+    *reinterpret_cast<uint4*>(vimg + dst) = vc;
+}
+
 // §5.3 Q̂, c_q and the row shift sh. D/16 threads per packed row (one per 16-channel block):
 // grid (ceil(Rp * D/16 / 128), Hkv, B), block 128.
 // q_mode: 0 = NVFP4 (q_terms 1 or 2), 1 = FP8 E4M3, 2 = quantization off.
@@ -187,9 +216,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
                                        float* __restrict__ cq, float* __restrict__ sh, const Geom& g, float qmul,
                                        int q_mode, int q_terms, bool lsq) {
     constexpr int NB = D / 16;
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const size_t bh = (size_t)b * g.Hkv + hk;
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const auto [b, hk, bh, idx] = prep_thread(g);
     // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
     const int r = (int)(idx / NB), cb = (int)(idx % NB);
     const bool in_range = r < g.Rp;

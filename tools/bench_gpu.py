@@ -71,7 +71,7 @@ def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate"):
     plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset), cfg, schedule=schedule)
     t_prep = _time_cupy(lambda: plan.prep(qd, kd, vd), reps)
     plan.prep(qd, kd, vd)
-    t_attn = _time_cupy(lambda: plan.attend(qd, kd, vd), reps)
+    t_attn = _time_cupy(lambda: plan.attend(qd), reps)
     cp.cuda.get_current_stream().synchronize()
     hot = plan.hot.get()
     last = plan.shape.last_tiles()
