@@ -86,10 +86,14 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
 // holds the scale and bias of group t0 (p1_pscale) and the quad exchanges them. QUANT (§7.5 on):
 // e2m1(exp2s(y)) by thresholds, so no per-element exp2 at all; in the fast mode, the hardware exp2
-// in binary16 pairs instead.
+// in binary16 pairs instead. §7.6 tile row sums tl4: the chain against ones over the 4 groups in slot
+// order from C = +0, each step issued as soon as its group is done, so that the tensor core's
+// latency hides behind the next group's P'.
 template <bool QUANT>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
-                                          float my_bias_hi, float my_sc_lo, float my_sc_hi, uint32_t (&pa)[4][4]) {
+                                          float my_bias_hi, float my_sc_lo, float my_sc_hi, uint32_t (&pa)[4][4],
+                                          float (&tl4)[4]) {
+    tl4[0] = tl4[1] = tl4[2] = tl4[3] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int gi = 0; gi < 4; ++gi) {
@@ -124,6 +128,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
             pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
             pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
         }
+        mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
     }
 }
 
@@ -258,14 +263,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi);
+            float tl4[4];  // §7.6 tile row sums
             if (a.quant_p)
-                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
+                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
             else
-                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa);
-            // §7.6 tile row sums: chain against ones over the 4 groups in slot order, from C = +0.
-            float tl4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
+                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // §7.7 hot test (warp vote over valid rows).
             const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x_nonpos(fsub(m_lo, c_lo));
