@@ -454,12 +454,12 @@ def run_probe_mma(A, B, C, f16_out: bool):
 
 def run_probe_exp2(x, variant: str = "soft"):
     """exp2 of every element: "soft" (exp2s), "fast" (the hardware exp2), or the exp2s variants
-    "unit" (x in [0, 1)) and "nonpos" (x ≤ 0) of cuda/fpmath.cuh."""
+    "core" (x in [0, 1)) and "nonpos" (x ≤ 0) of cuda/fpmath.cuh."""
     cp = _cupy()
     xd = cp.asarray(np.ascontiguousarray(x, dtype=F32))
     y = cp.empty_like(xd)
     n = xd.size
-    mode = I32(("soft", "fast", "unit", "nonpos").index(variant))
+    mode = I32(("soft", "fast", "core", "nonpos").index(variant))
     probe_kernel("apa_probe_exp2")((max(1, -(-n // 256)),), (256,), (xd, y, np.int64(n), mode))
     return y.get()
 

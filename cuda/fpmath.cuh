@@ -80,22 +80,20 @@ __device__ __forceinline__ float exp2s(float x) {
     return r;
 }
 
-// exp2s on x ≤ 0 or NaN (frame rescales, pass-2 probabilities; an FP16 score overflow makes
-// inf - inf): steps 1 and 6 reduce to NaN → x and x < -126 → +0 (j ≥ -126 gives a normal result),
-// as selects; step 5 cannot apply.
-__device__ __forceinline__ float exp2s_nonpos(float x) {
-    int ji;
-    const float p = exp2s_poly(fmaxf(x, -126.0f), ji);
-    const float r = fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
-    return x != x ? x : x < -126.0f ? 0.0f : r;
-}
-
-// exp2s on [0, 1) (the P-scale mantissa of §7.4, once per row and group and tile): j is 0 or 1, so
-// steps 1, 5 and 6 cannot apply, and the warp skips their branches.
-__device__ __forceinline__ float exp2s_unit(float x) {
+// exp2s where steps 1, 5 and 6 cannot apply, x in [-126, 127.5): j ≤ 127, and p ≥ 1 when
+// j = -126, so the result is normal. The P-scale mantissa of §7.4 (x in [0, 1)) calls it directly:
+// no special-case branches for the warp.
+__device__ __forceinline__ float exp2s_core(float x) {
     int ji;
     const float p = exp2s_poly(x, ji);
     return fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
+}
+
+// exp2s on x ≤ 0 or NaN (frame rescales, pass-2 probabilities; an FP16 score overflow makes
+// inf - inf): steps 1 and 6 reduce to NaN → x and x < -126 → +0, as selects around the core.
+__device__ __forceinline__ float exp2s_nonpos(float x) {
+    const float r = exp2s_core(fmaxf(x, -126.0f));
+    return x != x ? x : x < -126.0f ? 0.0f : r;
 }
 
 // Hardware exp2 of the fast mode (numerics.md §2 "fast"): MUFU.EX2 with flush to zero.
@@ -114,25 +112,13 @@ __device__ __forceinline__ float exp2_hw(float x) {
 #ifndef APA_EXP2_FAST
 #define APA_EXP2_FAST 0
 #endif
+// SOFT: exp2s or one of its range-restricted forms above, for what the call site knows of x.
+template <float (*SOFT)(float) = exp2s>
 __device__ __forceinline__ float exp2x(float x) {
 #if APA_EXP2_FAST
     return exp2_hw(x);
 #else
-    return exp2s(x);
-#endif
-}
-__device__ __forceinline__ float exp2x_nonpos(float x) {
-#if APA_EXP2_FAST
-    return exp2_hw(x);
-#else
-    return exp2s_nonpos(x);
-#endif
-}
-__device__ __forceinline__ float exp2x_unit(float x) {
-#if APA_EXP2_FAST
-    return exp2_hw(x);
-#else
-    return exp2s_unit(x);
+    return SOFT(x);
 #endif
 }
 

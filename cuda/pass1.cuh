@@ -48,7 +48,7 @@ constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 template <int NDN>
 __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float (&o)[NDN][4], int half) {
     if (x != m) {
-        const float alpha = exp2x_nonpos(fsub(m, x));
+        const float alpha = exp2x<exp2s_nonpos>(fsub(m, x));
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
             o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
@@ -74,7 +74,7 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
         scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
         return fsub(Lc, cu);
     }
-    const float e = exp2x_unit(fsub(u, fl));  // u - fl in [0, 1)
+    const float e = exp2x<exp2s_core>(fsub(u, fl));  // u - fl in [0, 1)
     int mi = (int)ceilf(fmul(8.0f, fsub(e, 1.0f)));
 #if APA_EXP2_FAST
     mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
@@ -270,8 +270,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // §7.7 hot test (warp vote over valid rows).
-            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x_nonpos(fsub(m_lo, c_lo));
-            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x_nonpos(fsub(m_hi, c_hi));
+            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
+            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
             const bool hp_lo = v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
             const bool hp_hi = v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
             const bool hot = __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
@@ -279,8 +279,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 // §7.8 hot branch.
                 const float f_lo = fmaxf(m_lo, fsub(c_lo, a.delta));
                 const float f_hi = fmaxf(m_hi, fsub(c_hi, a.delta));
-                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x_nonpos(fsub(c_lo, f_lo));
-                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x_nonpos(fsub(c_hi, f_hi));
+                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c_lo, f_lo));
+                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c_hi, f_hi));
                 p1_update(f_lo, m_lo, la_lo, lc_lo, o, 0);
                 p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
                 la_lo = fadd(la_lo, fmul(tl_lo, b_lo));

@@ -84,8 +84,8 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
     mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xFFFFFFFFu, mx_lo, 2));
     mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xFFFFFFFFu, mx_hi, 1));
     mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xFFFFFFFFu, mx_hi, 2));
-    const float a_lo = (mx_lo == st.m_lo) ? 1.0f : exp2x_nonpos(fsub(st.m_lo, mx_lo));
-    const float a_hi = (mx_hi == st.m_hi) ? 1.0f : exp2x_nonpos(fsub(st.m_hi, mx_hi));
+    const float a_lo = (mx_lo == st.m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(st.m_lo, mx_lo));
+    const float a_hi = (mx_hi == st.m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(st.m_hi, mx_hi));
     st.m_lo = mx_lo;
     st.m_hi = mx_hi;
     const float ms_lo = (st.m_lo == neg_inf()) ? 0.0f : st.m_lo;
@@ -115,10 +115,10 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
     uint32_t pa[4][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-        const float p0 = exp2x_nonpos(fsub(x[nt][0], ms_lo));
-        const float p1 = exp2x_nonpos(fsub(x[nt][1], ms_lo));
-        const float p2 = exp2x_nonpos(fsub(x[nt][2], ms_hi));
-        const float p3 = exp2x_nonpos(fsub(x[nt][3], ms_hi));
+        const float p0 = exp2x<exp2s_nonpos>(fsub(x[nt][0], ms_lo));
+        const float p1 = exp2x<exp2s_nonpos>(fsub(x[nt][1], ms_lo));
+        const float p2 = exp2x<exp2s_nonpos>(fsub(x[nt][2], ms_hi));
+        const float p3 = exp2x<exp2s_nonpos>(fsub(x[nt][3], ms_hi));
         st.l4_lo = fadd(st.l4_lo, fadd(p0, p1));
         st.l4_hi = fadd(st.l4_hi, fadd(p2, p3));
         pa[nt >> 1][(nt & 1) * 2 + 0] = f16x2(p0, p1);

@@ -56,12 +56,12 @@ extern "C" __global__ void apa_probe_mma_f16(const uint16_t* A, const uint16_t* 
     d[(g + 8) * 8 + 2 * t0 + 1] = (uint16_t)(acc[1] >> 16);
 }
 
-// exp2s (mode 0), ex2.approx.ftz (mode 1), exp2s_unit (mode 2, x in [0, 1)) or exp2s_nonpos (mode 3,
+// exp2s (mode 0), ex2.approx.ftz (mode 1), exp2s_core (mode 2, x in [0, 1)) or exp2s_nonpos (mode 3,
 // x ≤ 0) of every element.
 extern "C" __global__ void apa_probe_exp2(const float* x, float* y, long long count, int mode) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count)
-        y[i] = mode == 3 ? exp2s_nonpos(x[i]) : mode == 2 ? exp2s_unit(x[i]) : mode ? exp2_hw(x[i]) : exp2s(x[i]);
+        y[i] = mode == 3 ? exp2s_nonpos(x[i]) : mode == 2 ? exp2s_core(x[i]) : mode ? exp2_hw(x[i]) : exp2s(x[i]);
 }
 
 // E2M1 code and E4M3 code of every binary32 element.

@@ -42,11 +42,11 @@ def test_exp2s_dense_and_special():
 
 
 def test_exp2s_restricted_variants():
-    # exp2s_unit (the P-scale mantissa, §7.4) is exp2s on [0, 1), every binary32 there with stride 13;
+    # exp2s_core (the P-scale mantissa, §7.4) is exp2s on [0, 1), every binary32 there with stride 13;
     # exp2s_nonpos (frame rescales, pass-2 probabilities) is exp2s on x ≤ 0 and NaN: every binary32 in
     # [-2, 0] with stride 29, a stride over [-130, -2], the edges of step 1 and -inf.
     unit = np.arange(0, np.float32(1).view(np.uint32), 13, dtype=np.uint32).view(np.float32)
-    msg = _first_diff(run_probe_exp2(unit, "unit"), fpmath.exp2s_np(unit), unit)
+    msg = _first_diff(run_probe_exp2(unit, "core"), fpmath.exp2s_np(unit), unit)
     assert msg is None, msg
     lo = np.float32(-2).view(np.uint32)
     near = np.arange(np.float32(-0.0).view(np.uint32), lo, 29, dtype=np.uint32).view(np.float32)
