@@ -10,15 +10,14 @@ import numpy as np
 
 from . import trace as tr
 from .config import Config
+from .geometry import HEAD_DIMS, ROWS, Shape, WarpRows, visit_order
 from .merge import merge
-from .pass1 import EXACT, SM90, SM120, pass1_warp
+from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import pass2_warp
-from .prep import TILE, Prepared, prepare, slot_keys, unpack_rows
+from .prep import Prepared, prepare, slot_keys, unpack_rows
 
-ROWS = tr.ROWS_PER_WARP
-SUPPORTED_D = (64, 128, 256)
 F32 = np.float32
-_MODEL = {"sm90": SM90, "sm120": SM120, "exact": EXACT}
+MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
 
 
 @dataclass
@@ -42,15 +41,16 @@ class Result:
 def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """Check shapes, dtypes, head layout and values; return batched [B, ...] views and whether the
     input had no batch axis. Every problem is a ValueError naming the argument."""
-    arrays = {}
+    arrays = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, np.ndarray):
             raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-        if x.dtype != np.float16:
+        if x.dtype.kind != "f" or x.dtype.itemsize != 2:
             raise ValueError(f"{name}: expected dtype float16, got {x.dtype}")
         if x.ndim not in (3, 4):
             raise ValueError(f"{name}: expected shape [n, heads, d] or [batch, n, heads, d], got {x.shape}")
-        arrays[name] = x
+        arrays.append(x.astype(np.float16, copy=False))  # a byte-swapped float16 is converted, not refused
+    q, k, v = arrays
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(f"q, k, v: batch axis must be present in all or none (ndim {q.ndim}, {k.ndim}, {v.ndim})")
     squeeze = q.ndim == 3
@@ -63,8 +63,8 @@ def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, boo
     S, Hkv = kb.shape[1], kb.shape[2]
     if kb.shape[3] != d:
         raise ValueError(f"k: head dim {kb.shape[3]} differs from q's {d}")
-    if d not in SUPPORTED_D:
-        raise ValueError(f"q: head dim {d} is not supported (supported: {', '.join(map(str, SUPPORTED_D))})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: head dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
     if n < 1 or S < 1 or H < 1 or Hkv < 1 or B < 1:
         raise ValueError(f"q, k: every dimension must be at least 1 (q {q.shape}, k {k.shape})")
     if H % Hkv:
@@ -73,6 +73,8 @@ def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, boo
         raise ValueError(f"q_offset: expected an integer, got {q_offset!r}")
     if q_offset < 0:
         raise ValueError(f"q_offset: {q_offset} leaves query row 0 with no key (it must be >= 0)")
+    if int(q_offset) + n - 1 > MAX_POSITION:
+        raise ValueError(f"q_offset: {q_offset} puts query positions past {MAX_POSITION} (int32 positions)")
     for name, x in (("q", qb), ("k", kb), ("v", vb)):
         bad = ~np.isfinite(x)
         if bad.any():
@@ -81,185 +83,216 @@ def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, boo
     return qb, kb, vb, squeeze
 
 
+def _check_triples(name: str, triples, shape: Shape) -> None:
+    """``warps=``/``trace=``: every (b, hk, warp) must exist, or its rows would silently stay NaN."""
+    if triples is None:
+        return
+    try:
+        triples = [tuple(int(x) for x in t) for t in triples]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected an iterable of (b, hk, warp) integer triples") from None
+    for t in triples:
+        if len(t) != 3:
+            raise ValueError(f"{name}: {t} is not a (b, hk, warp) triple")
+        if not (0 <= t[0] < shape.B and 0 <= t[1] < shape.Hkv and 0 <= t[2] < shape.nw):
+            raise ValueError(f"{name}: warp {t} does not exist (b < {shape.B}, hk < {shape.Hkv}, "
+                             f"warp < {shape.nw})")
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
 @dataclass
-class _Warp:
-    b: int
-    hk: int
+class WarpResult:
+    """What one warp computed: its output rows, hot mask and counts, the §7.10 and §8.6 states
+    (for the trace) and, when traced, its visit and row records."""
+
     w: int
-    rows: np.ndarray  # packed row indices (clamped for padding)
-    valid: np.ndarray
-    lim: np.ndarray
-    last_tile: int
+    out: np.ndarray  # [16, d] f16
+    hot: np.ndarray  # [W] u32 (§10)
+    active: int  # T_w + 1 (§6.3)
+    nhot: int
+    p1: P1Out
+    m2: np.ndarray
+    l2: np.ndarray
+    o2: np.ndarray
+    visits: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
 
-def warp_of(row: int, head: int, G: int) -> tuple[int, int]:
-    """(hk, warp) computing query position ``row`` of head ``head`` (§6.1–6.2)."""
-    return head // G, (row * G + head % G) // ROWS
-
-
-def _warps(prep: Prepared, b: int, hk: int):
-    R, G, S = prep.R, prep.G, prep.S
-    for w in range(-(-R // ROWS)):
-        r = np.arange(w * ROWS, (w + 1) * ROWS)
-        valid = r < R
-        lim = np.where(valid, np.minimum(prep.q_offset + r // G, S - 1), -1).astype(np.int64)
-        p_wmax = prep.q_offset + (min(w * ROWS + ROWS - 1, R - 1) // G)
-        last = min(p_wmax // TILE, prep.ntiles - 1)
-        yield _Warp(b, hk, w, np.minimum(r, R - 1), valid, lim, last)
-
-
-def _visit_order(last: int, tile_order: str) -> np.ndarray:
-    if tile_order == "diagonal":
-        return np.array([0] + list(range(last, 0, -1)), dtype=np.int64)
-    return np.arange(last + 1, dtype=np.int64)
+def _hot_tiles(hot_words: np.ndarray, last_tile: int) -> np.ndarray:
+    """The hot tiles of a mask in ascending order, the order pass 2 visits them (§8)."""
+    t = np.arange(last_tile + 1)
+    return t[(hot_words[t // 32] >> (t % 32).astype(np.uint32)) & 1 == 1].astype(np.int64)
 
 
 class _Runner:
-    """Runs the warps of one (batch, KV head); shared read-only by worker processes (fork)."""
+    """Runs the warps of one (batch, KV head): its prep holds that head alone, at index 0."""
 
-    def __init__(self, prep: Prepared, cfg: Config, want_trace: tr.TraceRequest | None):
-        self.prep, self.cfg, self.want = prep, cfg, want_trace
-        self.model = _MODEL[cfg.mma]
-        self.slots = slot_keys(cfg.p_groups).astype(np.int64)
+    def __init__(self, shape: Shape, b: int, hk: int, prep: Prepared, cfg: Config, want: tr.TraceRequest | None):
+        self.shape, self.b, self.hk, self.prep, self.cfg, self.want = shape, b, hk, prep, cfg, want
         self.soft = cfg.exp2 == "soft"
-        self.kf = F32(F32(2.0**cfg.tau) / F32(1536))
-        self.dummy_u8 = np.zeros((1, ROWS, 16), np.uint8)
+        self.consts = cfg.pass1_consts()
+        self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
+                           slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf))
 
-    def run(self, wp: _Warp):
-        cfg, prep = self.cfg, self.prep
-        d, hk = prep.d, 0  # the prep holds this (b, hk) alone
-        nwords = -(-prep.ntiles // 32)
-        valid = wp.valid
-        traced = self.want is not None and self.want.wants(wp.b, wp.hk, wp.w)
-        part = np.zeros((ROWS, d), F32)
-        m1 = np.full(ROWS, -np.inf, F32)
-        l1 = np.zeros(ROWS, F32)
-        hot = np.zeros(nwords, np.uint32)
-        order = _visit_order(wp.last_tile, cfg.tile_order)
-        nv = order.shape[0] if traced and cfg.eps >= 0 else 0
-        tr_tile, tr_hot = np.zeros(nv, np.int32), np.zeros(nv, np.uint8)
-        tr_f = [np.zeros((nv, ROWS), F32) for _ in range(5)]
-        qrows = np.where(valid[:, None], prep.qhat[hk, wp.rows], 0).astype(F32)
-        cq = np.where(valid, prep.cq[hk, wp.rows], 1).astype(F32)
-        if cfg.eps < 0:
-            for t in range(wp.last_tile + 1):
-                hot[t // 32] |= np.uint32(1 << (t % 32))
-        else:
-            if self.model == SM120:
-                qc = np.ascontiguousarray(prep.q_codes[:, hk, wp.rows] * valid[None, :, None])
-                qs = np.ascontiguousarray(prep.q_scales[:, hk, wp.rows] * valid[None, :, None])
-                kc, ks = prep.k_codes[hk], prep.k_scales[hk]
-                vc, vs = prep.v_codes_t[hk], prep.v_scales_t[hk]
-            else:
-                qc = qs = self.dummy_u8
-                kc = ks = self.dummy_u8[0]
-                vc = vs = self.dummy_u8
-            pass1_warp(
-                self.model, qrows, qc, qs, valid, wp.lim, cq,
-                prep.khat[hk], kc, ks, prep.vhat_t[hk], vc, vs,
-                order, self.slots, F32(cfg.eps), F32(cfg.delta), cfg.tau, self.soft,
-                cfg.p_scale == "pow2", cfg.quant_p, self.kf, F32(prep.vg[hk] * self.kf),
-                part, m1, l1, hot, traced, tr_tile, tr_hot, *tr_f,
-            )
-        tiles = np.array([t for t in range(wp.last_tile + 1) if hot[t // 32] >> np.uint32(t % 32) & 1], np.int64)
-        m2 = np.full(ROWS, -np.inf, F32)
-        l2 = np.zeros(ROWS, F32)
-        o2 = np.zeros((ROWS, d), F32)
-        q16 = np.where(valid[:, None], prep.q16[hk, wp.rows], 0).astype(F32)
-        pass2_warp(
-            self.model == EXACT, cfg.p2_accum == "f32", q16, valid, wp.lim,
-            prep.sh[hk, wp.rows].astype(F32), prep.qmul, prep.k16[hk], prep.v16_t[hk],
-            tiles, self.soft, m2, l2, o2,
-        )
-        out = merge(m1, l1, part, m2, l2, o2, self.soft)
-        visits = None
+    def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
+        """The warp's rows of a per-row prep array, ``pad`` in padding rows (numerics.md §6.2)."""
+        sel = x[0, wr.rows]
+        valid = wr.valid.reshape((-1,) + (1,) * (sel.ndim - 1))
+        return np.where(valid, sel, pad).astype(x.dtype)
+
+    def _fp4(self, wr: WarpRows) -> FP4Operands:
+        p = self.prep
+        if self.mode.model != SM120:
+            return FP4Operands.unused()
+        zero_pad = wr.valid[None, :, None]
+        return FP4Operands(np.ascontiguousarray(p.q_codes[:, 0, wr.rows] * zero_pad),
+                           np.ascontiguousarray(p.q_scales[:, 0, wr.rows] * zero_pad),
+                           p.k_codes[0], p.k_scales[0], p.v_codes_t[0], p.v_scales_t[0])
+
+    def _pass1(self, wr: WarpRows, traced: bool) -> tuple[P1Out, tr.VisitTrace]:
+        p, cfg = self.prep, self.cfg
+        out = P1Out.new(p.d, self.shape.ntiles)
+        if cfg.eps < 0:  # §9.6: every active tile is hot, pass 1 does not run
+            for t in range(wr.last_tile + 1):
+                out.hot_words[t // 32] |= np.uint32(1 << (t % 32))
+            return out, tr.visit_trace(0)
+        order = visit_order(wr.last_tile, cfg.tile_order)
+        trace = tr.visit_trace(order.shape[0] if traced else 0)
+        ops = P1Operands(self._rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], self._fp4(wr))
+        rows = P1Rows(wr.valid, wr.lim, self._rows(p.cq, wr, 1))
+        pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
+        return out, trace
+
+    def _pass2(self, wr: WarpRows, tiles: np.ndarray):
+        p, cfg = self.prep, self.cfg
+        m2, l2, o2 = np.full(ROWS, -np.inf, F32), np.zeros(ROWS, F32), np.zeros((ROWS, p.d), F32)
+        pass2_warp(cfg.mma == "exact", cfg.p2_accum == "f32", self._rows(p.q16, wr, 0), wr.valid, wr.lim,
+                   p.sh[0, wr.rows], p.qmul, p.k16[0], p.v16_t[0], tiles, self.soft, m2, l2, o2)
+        return m2, l2, o2
+
+    def _visit_records(self, w: int, trace: tr.VisitTrace) -> np.ndarray:
+        nv = trace.tile.shape[0]
+        rec = np.zeros(nv, tr.VISIT_DTYPE)
+        rec["b"], rec["hk"], rec["warp"], rec["visit"] = self.b, self.hk, w, np.arange(nv)
+        for name in tr.VISIT_FIELDS:
+            rec[name] = getattr(trace, name)
+        return rec
+
+    def _row_records(self, res: WarpResult, wr: WarpRows) -> np.ndarray:
+        nvalid = int(wr.valid.sum())
+        rec = np.zeros(nvalid, tr.row_dtype(self.prep.d))
+        rec["b"], rec["hk"], rec["row"] = self.b, self.hk, wr.w * ROWS + np.arange(nvalid)
+        state = dict(m1=res.p1.m1, l1=res.p1.l1, part=res.p1.part, m2=res.m2, l2=res.l2, o2=res.o2, out=res.out)
+        for name in tr.ROW_FIELDS:
+            rec[name] = state[name][:nvalid]
+        return rec
+
+    def run(self, w: int) -> WarpResult:
+        wr = self.shape.warp_rows(w)
+        traced = self.want is not None and self.want.wants(self.b, self.hk, w)
+        p1, trace = self._pass1(wr, traced)
+        tiles = _hot_tiles(p1.hot_words, wr.last_tile)
+        m2, l2, o2 = self._pass2(wr, tiles)
+        out = merge(p1.m1, p1.l1, p1.part, m2, l2, o2, self.soft)
+        res = WarpResult(w, out, p1.hot_words, wr.last_tile + 1, len(tiles), p1, m2, l2, o2)
         if traced:
-            visits = np.zeros(nv, tr.VISIT_DTYPE)
-            visits["b"], visits["hk"], visits["warp"] = wp.b, wp.hk, wp.w
-            visits["visit"] = np.arange(nv)
-            visits["tile"], visits["hot"] = tr_tile, tr_hot
-            for name, arr in zip(("c", "m", "tl", "la", "lc"), tr_f):
-                visits[name] = arr
-        return dict(out=out, hot=hot, active=wp.last_tile + 1, nhot=len(tiles), visits=visits,
-                    traced=traced, m1=m1, l1=l1, part=part, m2=m2, l2=l2, o2=o2)
+            res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
+        return res
 
 
-_RUNNER: _Runner | None = None
+# Set in each worker process by the pool's initializer; with fork, the runner is inherited, not pickled.
+_WORKER_RUNNER: _Runner | None = None
 
 
-def _run_index(args):
-    return _RUNNER.run(args)
+def _init_worker(runner: _Runner) -> None:
+    global _WORKER_RUNNER
+    _WORKER_RUNNER = runner
+
+
+def _run_in_worker(w: int) -> WarpResult:
+    return _WORKER_RUNNER.run(w)
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace=None,
               warps=None, workers: int = 1, progress=None) -> Result:
-    """Emulate the APA kernel bit for bit (numerics.md). q [n, H, d] or [B, n, H, d] float16;
-    k, v [S, Hkv, d] (or batched). ``trace``: None, "all" or (b, hk, warp) triples. ``warps``: only
-    compute these (b, hk, warp) triples (a warp's result depends only on its own rows, §6.2); the
-    output rows of other warps are NaN. ``workers``: processes over independent warps (results do
-    not depend on it). ``progress``: a callable ``progress(done, total)`` or None."""
+    """Emulate the APA kernel bit for bit (numerics.md).
+
+    Parameters
+    ----------
+    q : float16 [n, H, d] or [B, n, H, d]
+    k, v : float16 [S, Hkv, d] or [B, S, Hkv, d]; H must be a multiple of Hkv, d one of 64, 128, 256.
+    q_offset : causal position of query row 0 (bottom-right causal: q_offset = S − n).
+    config : the numerics toggles (default ``Config()``).
+    trace : None, "all" or (b, hk, warp) triples: per-visit and per-row records (§10).
+    warps : only compute these (b, hk, warp) triples (a warp's result depends only on its own rows,
+        §6.2); the output rows of other warps are NaN.
+    workers : processes over independent warps (results do not depend on it).
+    progress : a callable ``progress(done, total)`` or None.
+
+    Returns
+    -------
+    Result, with ``out`` shaped like q.
+    """
     cfg = config or Config()
     qb, kb, vb, squeeze = validate(q, k, v, q_offset)
-    want = tr.TraceRequest.of(trace)
     B, n, H, d = qb.shape
-    Hkv = kb.shape[2]
-    G = H // Hkv
-    R, ntiles = n * G, -(-kb.shape[1] // TILE)
-    nw = -(-R // ROWS)
+    shape = Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset))
+    want = tr.TraceRequest.of(trace)
+    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
+        _check_triples(name, triples, shape)
+    workers = _check_count("workers", workers)
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress: expected a callable progress(done, total) or None, got {progress!r}")
+    G, nw = shape.G, shape.nw
     chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
-    groups = [(b, hk) for b in range(B) for hk in range(Hkv)
-              if chosen is None or any(t[0] == b and t[1] == hk for t in chosen)]
+    groups = [(b, hk) for b in range(B) for hk in range(shape.Hkv)
+              if chosen is None or any(t[:2] == (b, hk) for t in chosen)]
     total = nw * len(groups) if chosen is None else len(chosen)
 
     # One (batch, KV head) at a time: its prep is all a warp reads (§5), so memory stays at one
     # head's share of the dump whatever the number of heads.
-    global _RUNNER
-    all_warps, results, scales = [], [], {}
+    results: list[tuple[int, int, WarpResult]] = []
+    scales = {}
     for b, hk in groups:
         heads = slice(hk * G, (hk + 1) * G)
-        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], int(q_offset), cfg)
+        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, cfg)
         scales[(b, hk)] = (float(prep.kg[0]), float(prep.vg[0]))
-        todo = [wp for wp in _warps(prep, b, hk) if chosen is None or (b, hk, wp.w) in chosen]
-        _RUNNER = _Runner(prep, cfg, want)
+        todo = [w for w in range(nw) if chosen is None or (b, hk, w) in chosen]
+        runner = _Runner(shape, b, hk, prep, cfg, want)
         if workers > 1 and len(todo) > 1:
-            with mp.get_context("fork").Pool(min(workers, os.cpu_count() or 1, len(todo))) as pool:
-                chunk = max(1, len(todo) // (8 * workers))
-                for res in pool.imap(_run_index, todo, chunksize=chunk):
-                    results.append(res)
+            n_proc = min(workers, os.cpu_count() or 1, len(todo))
+            with mp.get_context("fork").Pool(n_proc, initializer=_init_worker, initargs=(runner,)) as pool:
+                done = pool.imap(_run_in_worker, todo, chunksize=max(1, len(todo) // (8 * workers)))
+                for res in done:
+                    results.append((b, hk, res))
                     if progress:
                         progress(len(results), total)
         else:
-            for wp in todo:
-                results.append(_RUNNER.run(wp))
+            for w in todo:
+                results.append((b, hk, runner.run(w)))
                 if progress:
                     progress(len(results), total)
-        all_warps += todo
-        _RUNNER = None
-    warps = all_warps
 
-    rows_out = np.full((B, Hkv, nw * ROWS, d), np.nan, np.float16)
-    hot = np.zeros((B, Hkv, nw, -(-ntiles // 32)), np.uint32)
-    visits, row_recs = [], []
-    for wp, res in zip(warps, results):
-        rows_out[wp.b, wp.hk, wp.w * ROWS:(wp.w + 1) * ROWS] = res["out"]
-        hot[wp.b, wp.hk, wp.w] = res["hot"]
-        if res["traced"]:
-            visits.append(res["visits"])
-            nvalid = int(wp.valid.sum())
-            rec = np.zeros(nvalid, tr.row_dtype(d))
-            rec["b"], rec["hk"], rec["row"] = wp.b, wp.hk, wp.w * ROWS + np.arange(nvalid)
-            for name in ("m1", "l1", "part", "m2", "l2", "o2", "out"):
-                rec[name] = res[name][:nvalid]
-            row_recs.append(rec)
-    out = np.stack([unpack_rows(rows_out[b, :, :R], n, G) for b in range(B)])
+    rows_out = np.full((B, shape.Hkv, shape.Rp, d), np.nan, np.float16)
+    hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
+    for b, hk, res in results:
+        rows_out[b, hk, res.w * ROWS:(res.w + 1) * ROWS] = res.out
+        hot[b, hk, res.w] = res.hot
+    out = np.stack([unpack_rows(rows_out[b, :, :shape.R], n, G) for b in range(B)])
+    visits = [res.visits for _, _, res in results if res.visits is not None]
+    row_recs = [res.rows for _, _, res in results if res.rows is not None]
     return Result(
         out=out[0] if squeeze else out,
         hot=hot,
-        active_tiles=sum(r["active"] for r in results),
-        hot_tiles=sum(r["nhot"] for r in results),
+        active_tiles=sum(res.active for _, _, res in results),
+        hot_tiles=sum(res.nhot for _, _, res in results),
         config=cfg,
         visits=np.concatenate(visits) if want is not None and visits else None,
         rows=np.concatenate(row_recs) if want is not None and row_recs else None,
-        meta=dict(G=G, R=R, nw=nw, ntiles=ntiles, head_scales=scales),
+        meta=dict(G=G, R=shape.R, nw=nw, ntiles=shape.ntiles, head_scales=scales),
     )
-

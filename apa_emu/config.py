@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import constants
+
 _CHOICES = {
     "q_format": ("nvfp4", "fp8"),
     "p_scale": ("ue4m3", "pow2"),
@@ -85,6 +87,14 @@ class Config:
         if self.scale is not None:
             return np.float32(self.scale)
         return np.float32(np.float32(1.0) / np.float32(math.sqrt(d)))
+
+    def qmul(self, d: int) -> np.float32:
+        """§5.3: f32(scale ⊗ LOG2E)."""
+        return constants.qmul(self.softmax_scale(d))
+
+    def pass1_consts(self) -> constants.Pass1Consts:
+        """§7.4–7.10 constants (binary32), shared by the emulator and the kernel's parameters."""
+        return constants.pass1_consts(self.eps, self.delta, self.tau)
 
     @classmethod
     def from_overrides(cls, items: list[str], base: "Config | None" = None) -> "Config":

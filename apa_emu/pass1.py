@@ -1,208 +1,299 @@
 """Pass 1: FP4 scores, the lazy frame, UE4M3 P scales, the hot test and cold P·V (numerics.md §7).
 
-One Numba function runs one warp of 16 packed rows over its visiting order. The per-row statements of
-the spec become loops over rows; the warp votes are ``any`` over valid rows.
+One Numba function, ``pass1_warp``, runs one warp of 16 packed rows over its visiting order; it reads
+as §7.1 … §7.10, one helper per section, each named like its twin in ``cuda/pass1.cuh``. The per-row
+statements of the spec become loops over rows; the warp votes are ``any`` over valid rows.
+
+Arguments come in groups (Numba takes NamedTuples): ``P1Operands`` (what prep made), ``P1Rows`` (the
+warp's rows), ``P1Mode`` (the model and switches), ``constants.Pass1Consts``, ``P1State`` (the running
+frame and sums), ``P1Out`` (§7.10) and ``trace.VisitTrace`` (§10).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
 from .formats import E2M1_VALUES, e2m1_code, ue4m3_value
 from .fpmath import LG2, exp2, f16r
+from .geometry import GROUP, GROUPS, ROWS, TILE
 from .mma import mma_exact, mma_sm90_f32, mma_sm120
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
-ROWS, TILE, GROUP = 16, 64, 16
 SM90, SM120, EXACT = 0, 1, 2
-# f32(log2 1536), §7.4
-LOG2_1536 = np.array([0x41295C02], dtype=np.uint32).view(np.float32)[0]
-ONE_CODE, ONE_SCALE = np.uint8(2), np.uint8(0x38)
+MODELS = {"sm90": SM90, "sm120": SM120, "exact": EXACT}
+ONE_CODE, ONE_SCALE = np.uint8(2), np.uint8(0x38)  # E2M1 1.0 and UE4M3 1.0: the §7.6 ones (sm120)
+
+
+class FP4Operands(NamedTuple):
+    """The E2M1 codes and UE4M3 scales the `sm120` model multiplies (§3.2). The other models read the
+    folded values instead and pass ``FP4Operands.unused()``: Numba compiles one signature, so the
+    fields must be arrays of the right type even when nothing reads them."""
+
+    q_codes: np.ndarray  # [terms, 16, d] u8
+    q_scales: np.ndarray  # [terms, 16, d/16] u8
+    k_codes: np.ndarray  # [T*64, d]
+    k_scales: np.ndarray  # [T*64, d/16]
+    v_codes_t: np.ndarray  # [T, d, 64]
+    v_scales_t: np.ndarray  # [T, d, 4]
+
+    @classmethod
+    def unused(cls) -> "FP4Operands":
+        u3, u2 = np.zeros((1, ROWS, GROUP), np.uint8), np.zeros((ROWS, GROUP), np.uint8)
+        return cls(u3, u3, u2, u2, u3, u3)
+
+
+class P1Operands(NamedTuple):
+    qhat: np.ndarray  # [16, d] f32, the warp's Q̂ rows (0 for padding rows)
+    khat: np.ndarray  # [T*64, d] f32
+    vhat_t: np.ndarray  # [T, d, 64] f32, keys in slot order
+    fp4: FP4Operands
+
+
+class P1Rows(NamedTuple):
+    valid: np.ndarray  # bool [16] (§6.2)
+    lim: np.ndarray  # int64 [16] (§6.1)
+    cq: np.ndarray  # f32 [16] (§5.3)
+
+
+class P1Mode(NamedTuple):
+    model: int  # SM90 | SM120 | EXACT (§3)
+    soft: bool  # exp2s or the fast mode (§2)
+    pow2: bool  # P scales (§7.4)
+    quant_p: bool  # P' quantized (§7.5)
+    slots: np.ndarray  # int64 [64]: key of each slot (§7.3)
+    vk: np.float32  # §7.10: vg ⊗ Kf
+
+
+class P1State(NamedTuple):
+    """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold output o."""
+
+    m: np.ndarray
+    la: np.ndarray
+    lc: np.ndarray
+    o: np.ndarray
+
+
+class P1Out(NamedTuple):
+    """§7.10 export and the hot mask."""
+
+    part: np.ndarray  # [16, d] f32
+    m1: np.ndarray  # [16] f32
+    l1: np.ndarray  # [16] f32
+    hot_words: np.ndarray  # [W] u32
+
+    @classmethod
+    def new(cls, d: int, ntiles: int) -> "P1Out":
+        return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32),
+                   np.zeros(-(-ntiles // 32), np.uint32))
 
 
 @njit(cache=True)
-def _update(x, m, la, lc, o, valid, soft):
-    """§7.9: move every row's frame to x, rescaling its sums and its cold output."""
+def p1_mma(model, a, a_codes, a_scales, b, b_codes, b_scales, c, out):
+    """§3: out = A·Bᵀ + C under the model; `sm120` multiplies codes and scales, the others values."""
+    if model == SM120:
+        mma_sm120(a_codes, a_scales, b_codes, b_scales, c, out)
+    elif model == EXACT:
+        mma_exact(a, b, c, out)
+    else:
+        mma_sm90_f32(a, b, c, out)
+
+
+@njit(cache=True)
+def p1_scores(model, ops, t, zero_s, s):
+    """§7.1: s = Q̂·K̂ᵀ of tile t from C = +0; `sm120` chains the Q terms (Q₁ then Q₂)."""
+    k0, fp4 = t * TILE, ops.fp4
+    kc, ks = fp4.k_codes[k0:k0 + TILE], fp4.k_scales[k0:k0 + TILE]
+    p1_mma(model, ops.qhat, fp4.q_codes[0], fp4.q_scales[0], ops.khat[k0:k0 + TILE], kc, ks, zero_s, s)
+    if model == SM120:
+        for term in range(1, fp4.q_codes.shape[0]):
+            mma_sm120(fp4.q_codes[term], fp4.q_scales[term], kc, ks, s, s)
+
+
+@njit(cache=True)
+def p1_frame(s, k0, rows, slots, tau, m, gm, c):
+    """§7.2: group maxima gm over visible keys (slot groups, §7.3), the warp's vote on moving the
+    frame by more than τ, and the candidate frame c."""
+    mx = np.empty(ROWS, F32)
+    vote = False
     for r in range(ROWS):
-        if valid[r] and x[r] != m[r]:
-            alpha = exp2(m[r] - x[r], soft)
-            for c in range(o.shape[1]):
-                o[r, c] = o[r, c] * alpha
-            lc[r] = lc[r] * alpha
-            la[r] = la[r] * alpha
-            m[r] = x[r]
+        rowmax = NEG_INF
+        for g in range(GROUPS):
+            gmax = NEG_INF
+            for i in range(GROUP):
+                j = slots[g * GROUP + i]
+                if k0 + j <= rows.lim[r] and s[r, j] > gmax:
+                    gmax = s[r, j]
+            gm[r, g] = gmax
+            if gmax > rowmax:
+                rowmax = gmax
+        mx[r] = rowmax * rows.cq[r]
+        if rows.valid[r] and mx[r] > m[r] + tau:
+            vote = True
+    for r in range(ROWS):
+        c[r] = m[r]
+        if vote and mx[r] > m[r]:
+            c[r] = mx[r]
 
 
 @njit(cache=True)
-def pass1_warp(
-    model, qhat, q_codes, q_scales, valid, lim, cq,
-    khat, k_codes, k_scales, vhat_t, v_codes_t, v_scales_t,
-    order, slots, eps, delta, tau, soft, pow2, quant_p, kf, vk,
-    part, m1, l1, hot_words,
-    trace, tr_tile, tr_hot, tr_c, tr_m, tr_tl, tr_la, tr_lc,
-):
-    """Run pass 1 for one warp (§7). Writes part/m1/l1 (§7.10), the hot mask and, if traced, the
-    per-visit records. Arrays are per (b, hk); ``order`` lists the tiles in visiting order (§6.4)."""
-    d = qhat.shape[1]
-    m = np.full(ROWS, NEG_INF, dtype=np.float32)
-    la = np.zeros(ROWS, dtype=np.float32)
-    lc = np.zeros(ROWS, dtype=np.float32)
-    o = np.zeros((ROWS, d), dtype=np.float32)
-    s = np.zeros((ROWS, TILE), dtype=np.float32)
-    zero_s = np.zeros((ROWS, TILE), dtype=np.float32)
-    phat = np.zeros((ROWS, TILE), dtype=np.float32)
-    pcodes = np.zeros((ROWS, TILE), dtype=np.uint8)
-    pscales = np.zeros((ROWS, 4), dtype=np.uint8)
-    tl2 = np.zeros((ROWS, 1), dtype=np.float32)
-    zero_tl = np.zeros((ROWS, 1), dtype=np.float32)
-    ones = np.ones((1, TILE), dtype=np.float32)
-    ones_codes = np.full((1, TILE), ONE_CODE, dtype=np.uint8)
-    ones_scales = np.full((1, 4), ONE_SCALE, dtype=np.uint8)
-    gm = np.zeros((ROWS, 4), dtype=np.float32)
-    c = np.zeros(ROWS, dtype=np.float32)
-    f = np.zeros(ROWS, dtype=np.float32)
-    mx = np.zeros(ROWS, dtype=np.float32)
-    tauf = np.float32(tau)
-    shift_a = np.float32(8) - tauf
-    lconst = LOG2_1536 - tauf
-    one = np.float32(1)
+def p1_pscale(gm, cq, c, k, mode):
+    """§7.4: the UE4M3 code kb of one (row, group) and the bias of its P' exponents."""
+    u = gm * cq + (k.A - c)
+    u = min(max(u, np.float32(-6)), np.float32(8))
+    fl = np.floor(u)
+    if mode.pow2:
+        cu = np.ceil(u)
+        return 8 * (int(cu) + 7), (k.L - c) - cu
+    e = exp2(u - fl, mode.soft)
+    mi = min(max(int(np.ceil((e - np.float32(1)) * np.float32(8))), 0), 8)
+    return 8 * (int(fl) + 7) + mi, (k.L - c) - (fl + LG2[mi])
 
-    for visit in range(order.shape[0]):
-        t = order[visit]
-        k0 = t * TILE
-        # §7.1 scores
-        if model == SM120:
-            mma_sm120(q_codes[0], q_scales[0], k_codes[k0:k0 + TILE], k_scales[k0:k0 + TILE], zero_s, s)
-            for term in range(1, q_codes.shape[0]):
-                mma_sm120(q_codes[term], q_scales[term], k_codes[k0:k0 + TILE], k_scales[k0:k0 + TILE], s, s)
-        elif model == EXACT:
-            mma_exact(qhat, khat[k0:k0 + TILE], zero_s, s)
-        else:
-            mma_sm90_f32(qhat, khat[k0:k0 + TILE], zero_s, s)
 
-        # §7.2 group maxima (over slots) and the lazy frame vote
-        vote = False
-        for r in range(ROWS):
-            rowmax = NEG_INF
-            for g in range(4):
-                gmax = NEG_INF
-                for i in range(GROUP):
-                    j = slots[g * GROUP + i]
-                    if k0 + j <= lim[r] and s[r, j] > gmax:
-                        gmax = s[r, j]
-                gm[r, g] = gmax
-                if gmax > rowmax:
-                    rowmax = gmax
-            mx[r] = rowmax * cq[r]
-            if valid[r] and mx[r] > m[r] + tauf:
-                vote = True
-        for r in range(ROWS):
-            c[r] = m[r]
-            if vote and mx[r] > m[r]:
-                c[r] = mx[r]
+@njit(cache=True)
+def p1_pprime(y, cq, bias, soft, quant_p):
+    """§7.5: P' = exp2((s ⊗ c_q) ⊕ bias); the fast quantized mode (§2) takes y by one FMA and the
+    binary16 hardware exp2 (model)."""
+    if quant_p and not soft:
+        yf = np.float32(np.float64(y) * np.float64(cq) + np.float64(bias))
+        return f16r(exp2(f16r(min(yf, np.float32(4))), False))
+    return exp2(y * cq + bias, soft)
 
-        # §7.4–7.5 P scales and P'
-        for r in range(ROWS):
-            if not valid[r]:
-                for jj in range(TILE):
-                    phat[r, jj] = 0
-                    pcodes[r, jj] = 0
-                for g in range(4):
-                    pscales[r, g] = 0
-                continue
-            lc_r = lconst - c[r]
-            for g in range(4):
-                u = gm[r, g] * cq[r] + (shift_a - c[r])
-                u = max(u, np.float32(-6))
-                u = min(u, np.float32(8))
-                fl = np.floor(u)
-                if pow2:
-                    cu = np.ceil(u)
-                    kb = 8 * (int(cu) + 7)
-                    bias = lc_r - cu
+
+@njit(cache=True)
+def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales):
+    """§7.4–7.5 for every valid row: P scales per group, then P̂ = e2m1(P')·dec(kb) (quantized) or
+    P' ⊗ dec(kb). Padding rows and invisible keys give 0."""
+    for r in range(ROWS):
+        if not rows.valid[r]:
+            phat[r, :] = 0
+            pcodes[r, :] = 0
+            pscales[r, :] = 0
+            continue
+        for g in range(GROUPS):
+            kb, bias = p1_pscale(gm[r, g], rows.cq[r], c[r], k, mode)
+            pscales[r, g] = kb
+            scale = ue4m3_value(np.uint8(kb))
+            for i in range(GROUP):
+                slot = g * GROUP + i
+                j = mode.slots[slot]
+                pp = p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p) if k0 + j <= rows.lim[r] \
+                    else np.float32(0)
+                if mode.quant_p:
+                    code = e2m1_code(pp)
+                    pcodes[r, slot] = code
+                    phat[r, slot] = E2M1_VALUES[code] * scale
                 else:
-                    e = exp2(u - fl, soft)
-                    mi = min(max(int(np.ceil((e - one) * np.float32(8))), 0), 8)
-                    kb = 8 * (int(fl) + 7) + mi
-                    bias = lc_r - (fl + LG2[mi])
-                pscales[r, g] = kb
-                scale = ue4m3_value(np.uint8(kb))
-                for i in range(GROUP):
-                    slot = g * GROUP + i
-                    j = slots[slot]
-                    if k0 + j <= lim[r]:
-                        if quant_p and not soft:  # §7.5 fast: y by an FMA, binary16 hardware exp2 (model)
-                            y = np.float32(np.float64(s[r, j]) * np.float64(cq[r]) + np.float64(bias))
-                            pp = f16r(exp2(f16r(min(y, np.float32(4))), False))
-                        else:
-                            pp = exp2(s[r, j] * cq[r] + bias, soft)
-                    else:
-                        pp = np.float32(0)
-                    if quant_p:
-                        code = e2m1_code(pp)
-                        pcodes[r, slot] = code
-                        phat[r, slot] = E2M1_VALUES[code] * scale
-                    else:
-                        ph = pp * scale
-                        phat[r, slot] = ph if model == EXACT else f16r(ph)
+                    ph = pp * scale
+                    phat[r, slot] = ph if mode.model == EXACT else f16r(ph)
 
-        # §7.6 tile row sums
-        if model == SM120:
-            mma_sm120(pcodes, pscales, ones_codes, ones_scales, zero_tl, tl2)
-        elif model == EXACT:
-            mma_exact(phat, ones, zero_tl, tl2)
-        else:
-            mma_sm90_f32(phat, ones, zero_tl, tl2)
 
-        # §7.7 hot test
-        hot = False
-        for r in range(ROWS):
-            if valid[r]:
-                a = one if c[r] == m[r] else exp2(m[r] - c[r], soft)
-                tl = tl2[r, 0]
-                if tl > eps * (la[r] * a + tl):
-                    hot = True
+@njit(cache=True)
+def p1_row_sums(model, phat, pcodes, pscales, tl2):
+    """§7.6: tl = chain of P̂ against ones from C = +0 (`sm120`: E2M1 ones with scale 1)."""
+    ones = np.ones((1, TILE), F32)
+    p1_mma(model, phat, pcodes, pscales, ones, np.full((1, TILE), ONE_CODE, np.uint8),
+           np.full((1, GROUPS), ONE_SCALE, np.uint8), np.zeros((ROWS, 1), F32), tl2)
 
-        # §7.8 branches
-        if hot:
-            for r in range(ROWS):
-                f[r] = max(m[r], c[r] - delta) if valid[r] else m[r]
-            _update(f, m, la, lc, o, valid, soft)
-            for r in range(ROWS):
-                if valid[r]:
-                    b = one if f[r] == c[r] else exp2(c[r] - f[r], soft)
-                    la[r] = la[r] + tl2[r, 0] * b
-            hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
-        else:
-            _update(c, m, la, lc, o, valid, soft)
-            for r in range(ROWS):
-                if valid[r]:
-                    la[r] = la[r] + tl2[r, 0]
-                    lc[r] = lc[r] + tl2[r, 0]
-            if model == SM120:
-                mma_sm120(pcodes, pscales, v_codes_t[t], v_scales_t[t], o, o)
-            elif model == EXACT:
-                mma_exact(phat, vhat_t[t], o, o)
-            else:
-                mma_sm90_f32(phat, vhat_t[t], o, o)
 
-        if trace:
-            tr_tile[visit] = t
-            tr_hot[visit] = 1 if hot else 0
-            for r in range(ROWS):
-                if valid[r]:
-                    tr_c[visit, r] = c[r]
-                    tr_m[visit, r] = m[r]
-                    tr_tl[visit, r] = tl2[r, 0]
-                    tr_la[visit, r] = la[r]
-                    tr_lc[visit, r] = lc[r]
-
-    # §7.10 export
+@njit(cache=True)
+def p1_hot_test(tl2, valid, st, c, eps, soft):
+    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c)."""
     for r in range(ROWS):
         if valid[r]:
-            for ch in range(d):
-                part[r, ch] = o[r, ch] * vk
-            m1[r] = m[r]
-            l1[r] = lc[r] * kf
+            a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], soft)
+            if tl2[r, 0] > eps * (st.la[r] * a + tl2[r, 0]):
+                return True
+    return False
+
+
+@njit(cache=True)
+def p1_update(x, valid, st, soft):
+    """§7.9: move every row's frame to x, rescaling its sums and its cold output."""
+    for r in range(ROWS):
+        if valid[r] and x[r] != st.m[r]:
+            alpha = exp2(st.m[r] - x[r], soft)
+            for ch in range(st.o.shape[1]):
+                st.o[r, ch] = st.o[r, ch] * alpha
+            st.lc[r] = st.lc[r] * alpha
+            st.la[r] = st.la[r] * alpha
+            st.m[r] = x[r]
+
+
+@njit(cache=True)
+def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, st, hot_words):
+    """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone and sets its
+    hot bit; a cold tile moves it to c, adds its sum to la and lc and its P̂·V̂ to o."""
+    if hot:
+        f = np.empty(ROWS, F32)
+        for r in range(ROWS):
+            f[r] = max(st.m[r], c[r] - k.delta) if rows.valid[r] else st.m[r]
+        p1_update(f, rows.valid, st, mode.soft)
+        for r in range(ROWS):
+            if rows.valid[r]:
+                b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.soft)
+                st.la[r] = st.la[r] + tl2[r, 0] * b
+        hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    else:
+        p1_update(c, rows.valid, st, mode.soft)
+        for r in range(ROWS):
+            if rows.valid[r]:
+                st.la[r] = st.la[r] + tl2[r, 0]
+                st.lc[r] = st.lc[r] + tl2[r, 0]
+        fp4 = ops.fp4
+        p1_mma(mode.model, phat, pcodes, pscales, ops.vhat_t[t], fp4.v_codes_t[t], fp4.v_scales_t[t],
+               st.o, st.o)
+
+
+@njit(cache=True)
+def p1_record(trace, visit, t, hot, c, st, tl2, valid):
+    """§10: one visit record (valid rows; padding rows keep +0)."""
+    trace.tile[visit] = t
+    trace.hot[visit] = 1 if hot else 0
+    for r in range(ROWS):
+        if valid[r]:
+            trace.c[visit, r] = c[r]
+            trace.m[visit, r] = st.m[r]
+            trace.tl[visit, r] = tl2[r, 0]
+            trace.la[visit, r] = st.la[r]
+            trace.lc[visit, r] = st.lc[r]
+
+
+@njit(cache=True)
+def p1_export(st, valid, vk, Kf, out):
+    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf per valid row."""
+    for r in range(ROWS):
+        if valid[r]:
+            for ch in range(st.o.shape[1]):
+                out.part[r, ch] = st.o[r, ch] * vk
+            out.m1[r] = st.m[r]
+            out.l1[r] = st.lc[r] * Kf
+
+
+@njit(cache=True)
+def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
+    """Pass 1 of one warp (§7) over ``order`` (§6.4). Writes ``out`` and, if ``traced``, ``trace``."""
+    st = P1State(np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
+                 np.zeros((ROWS, ops.qhat.shape[1]), F32))
+    s = np.zeros((ROWS, TILE), F32)
+    zero_s = np.zeros((ROWS, TILE), F32)
+    phat = np.zeros((ROWS, TILE), F32)
+    pcodes = np.zeros((ROWS, TILE), np.uint8)
+    pscales = np.zeros((ROWS, GROUPS), np.uint8)
+    tl2 = np.zeros((ROWS, 1), F32)
+    gm = np.zeros((ROWS, GROUPS), F32)
+    c = np.zeros(ROWS, F32)
+    for visit in range(order.shape[0]):
+        t = order[visit]
+        p1_scores(mode.model, ops, t, zero_s, s)
+        p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
+        p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales)
+        p1_row_sums(mode.model, phat, pcodes, pscales, tl2)
+        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft)
+        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, st, out.hot_words)
+        if traced:
+            p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)
+    p1_export(st, rows.valid, mode.vk, k.Kf, out)

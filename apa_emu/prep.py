@@ -14,11 +14,9 @@ import numpy as np
 from . import formats
 from .config import Config
 from .fpmath import up2
+from .geometry import TILE, cdiv
 
 F32 = np.float32
-TILE = 64
-GROUP = 16
-LOG2E = np.array([0x3FB8AA3B], dtype=np.uint32).view(np.float32)[0]
 FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
 
 
@@ -57,7 +55,7 @@ class Prepared:
 
     @property
     def ntiles(self) -> int:
-        return -(-self.S // TILE)
+        return cdiv(self.S, TILE)
 
 
 def slot_keys(p_groups: str) -> np.ndarray:
@@ -108,7 +106,7 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     G = H // Hkv
-    T = -(-S // TILE)
+    T = cdiv(S, TILE)
     lsq = cfg.block_scale == "lsq"
     sm120, exact = cfg.mma == "sm120", cfg.mma == "exact"
     operand = (lambda x: x) if exact else _f16  # §5.6: unquantized operands enter as FP16 (sm90)
@@ -125,9 +123,8 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     kg = head_scale(amax_k + mk)
     vg = head_scale(np.abs(vf[:S]).max(axis=(0, 2)))
 
-    qmul = F32(cfg.softmax_scale(d) * LOG2E)
-    out = Prepared(d=d, G=G, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
-                   q16=None, qhat=None, cq=None, sh=None, khat=None, vhat_t=None, k16=None, v16_t=None)
+    qmul = cfg.qmul(d)
+    fp4 = {}  # sm120 only: codes and scales (§3.2)
 
     # §5.3 Q, per packed row
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
@@ -152,13 +149,10 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
                 qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
                 qhat, qc, qs = operand(qsum), [c1, c2], [s1, s2]
             if sm120:
-                out.q_codes, out.q_scales = np.stack(qc), np.stack(qs)
-    out.q16, out.qhat = q16, qhat.astype(F32)
-    out.cq = qr[..., 0] * kg[:, None]
+                fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
     sh = np.zeros(q16.shape[:2], F32)
     for c in range(d):  # §5.3: sequential over channels
         sh = sh + q16[:, :, c] * kmean[:, None, c]
-    out.sh = sh * qmul
 
     # §5.4 K: [Hkv, T*64, d]
     xk = (kf - kmean[None]) * (F32(1) / kg)[None, :, None]
@@ -166,11 +160,11 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     xk = xk.transpose(1, 0, 2)
     if cfg.quant_k:
         ck, sk = formats.quantize_blocks(xk, lsq)
-        out.khat = _fold(ck, sk)
+        khat = _fold(ck, sk)
         if sm120:
-            out.k_codes, out.k_scales = ck, sk
+            fp4.update(k_codes=ck, k_scales=sk)
     else:
-        out.khat = operand(xk)
+        khat = operand(xk)
 
     # §5.5 V^T per tile in slot order: [Hkv, T, d, 64]
     slots = slot_keys(cfg.p_groups)
@@ -178,14 +172,17 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     xv_t = xv.reshape(T, TILE, Hkv, d)[:, slots].transpose(2, 0, 3, 1)
     if cfg.quant_v:
         cv, sv = formats.quantize_blocks(np.ascontiguousarray(xv_t), lsq)
-        out.vhat_t = _fold(cv, sv)
+        vhat_t = _fold(cv, sv)
         if sm120:
-            out.v_codes_t, out.v_scales_t = cv, sv
+            fp4.update(v_codes_t=cv, v_scales_t=sv)
     else:
-        out.vhat_t = operand(xv_t)
-    out.vhat_t = np.ascontiguousarray(out.vhat_t, dtype=F32)
-    out.khat = np.ascontiguousarray(out.khat, dtype=F32)
+        vhat_t = operand(xv_t)
 
-    out.k16 = np.ascontiguousarray(kf.transpose(1, 0, 2))
-    out.v16_t = np.ascontiguousarray(vf.reshape(T, TILE, Hkv, d).transpose(2, 0, 3, 1))
-    return out
+    return Prepared(
+        d=d, G=G, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
+        q16=q16, qhat=qhat.astype(F32), cq=qr[..., 0] * kg[:, None], sh=sh * qmul,
+        khat=np.ascontiguousarray(khat, dtype=F32), vhat_t=np.ascontiguousarray(vhat_t, dtype=F32),
+        k16=np.ascontiguousarray(kf.transpose(1, 0, 2)),
+        v16_t=np.ascontiguousarray(vf.reshape(T, TILE, Hkv, d).transpose(2, 0, 3, 1)),
+        **fp4,
+    )

@@ -6,11 +6,12 @@ so the cross-checker can compare the two field by field.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
 
-ROWS_PER_WARP = 16
+from .geometry import ROWS
 
 VISIT_DTYPE = np.dtype(
     [
@@ -21,14 +22,20 @@ VISIT_DTYPE = np.dtype(
         ("tile", "<i4"),
         ("hot", "u1"),
         ("_pad", "u1", (3,)),
-        ("c", "<f4", (ROWS_PER_WARP,)),
-        ("m", "<f4", (ROWS_PER_WARP,)),
-        ("tl", "<f4", (ROWS_PER_WARP,)),
-        ("la", "<f4", (ROWS_PER_WARP,)),
-        ("lc", "<f4", (ROWS_PER_WARP,)),
+        ("c", "<f4", (ROWS,)),
+        ("m", "<f4", (ROWS,)),
+        ("tl", "<f4", (ROWS,)),
+        ("la", "<f4", (ROWS,)),
+        ("lc", "<f4", (ROWS,)),
     ]
 )
 VISIT_FIELDS = ("tile", "hot", "c", "m", "tl", "la", "lc")
+# The emulator's per-warp trace buffers (apa_emu.pass1 fills them), one array per field, in this order.
+VisitTrace = namedtuple("VisitTrace", VISIT_FIELDS)
+
+
+def visit_trace(nvisits: int) -> VisitTrace:
+    return VisitTrace(*(np.zeros((nvisits, *VISIT_DTYPE[f].shape), VISIT_DTYPE[f].base) for f in VISIT_FIELDS))
 
 
 def row_dtype(d: int) -> np.dtype:

@@ -21,21 +21,18 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.api import Result, validate
 from apa_emu.config import Config
+from apa_emu.geometry import ROWS, TILE, Shape, cdiv
 
 from .build import PROBE, SUPPORTED_D, Variant, build
 
 F32 = np.float32
 I32 = np.int32
-TILE = 64
 WARPS = 12
-ROWS = tr.ROWS_PER_WARP
 THREADS = 32 * WARPS
 STATS_KEYS = 256  # cuda/prep.cuh KEYS_PER_CHUNK
 # "separate": prep, pass-1 and pass-2 launches; "fused": pass 1 and pass 2 in one persistent launch
 # (cuda/apa.cu apa_fused). Scheduling changes no result bit.
 SCHEDULES = ("separate", "fused")
-LOG2E = np.array([0x3FB8AA3B], dtype=np.uint32).view(np.float32)[0]
-LOG2_1536 = np.array([0x41295C02], dtype=np.uint32).view(np.float32)[0]
 
 
 def _cupy():
@@ -116,55 +113,14 @@ def probe_kernel(name: str):
     return _kernel(PROBE, name)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Geometry of one call (numerics.md §6), the host twin of cuda/common.cuh Geom."""
+def _geom_args(s: Shape):
+    """cuda/common.cuh Geom's basic sizes, as the kernels take them."""
+    return (I32(s.n), I32(s.H), I32(s.Hkv), I32(s.S), I32(s.q_offset))
 
-    B: int
-    n: int
-    H: int
-    Hkv: int
-    S: int
-    d: int
-    q_offset: int
 
-    @property
-    def G(self) -> int:
-        return self.H // self.Hkv
-
-    @property
-    def R(self) -> int:
-        return self.n * self.G
-
-    @property
-    def nw(self) -> int:
-        return -(-self.R // ROWS)
-
-    @property
-    def Rp(self) -> int:
-        return ROWS * self.nw
-
-    @property
-    def ntkv(self) -> int:
-        return -(-self.S // TILE)
-
-    @property
-    def W(self) -> int:
-        return -(-self.ntkv // 32)
-
-    @property
-    def nqb(self) -> int:
-        return -(-self.nw // WARPS)
-
-    def last_tiles(self) -> np.ndarray:
-        """T_w of every warp (§6.3)."""
-        w = np.arange(self.nw)
-        rmax = np.minimum(ROWS * w + ROWS - 1, self.R - 1)
-        p = self.q_offset + rmax // self.G
-        return np.minimum(p // TILE, self.ntkv - 1).astype(np.int64)
-
-    def geom_args(self):
-        return (I32(self.n), I32(self.H), I32(self.Hkv), I32(self.S), I32(self.q_offset))
+def _ctas(s: Shape) -> int:
+    """CTAs (query blocks of WARPS warps) per (b, hk) (§6.2)."""
+    return cdiv(s.nw, WARPS)
 
 
 def _q_mode(cfg: Config) -> int:
@@ -192,10 +148,8 @@ class Plan:
                                f"apa_emu.trace ({tr.VISIT_DTYPE.itemsize}, {tr.row_dtype(s.d).itemsize})")
         self.smem1 = smem1
         self.smem2 = smem2_tiles + 4 * smem2_words * s.W  # + the hot-mask words (merge.cuh)
-        self.qmul = F32(cfg.softmax_scale(s.d) * LOG2E)
-        tau = F32(cfg.tau)
-        self.p1_consts = (F32(cfg.eps), F32(cfg.delta), tau, F32(8) - tau, LOG2_1536 - tau,
-                          F32(F32(2.0 ** cfg.tau) / F32(1536)))
+        self.qmul = cfg.qmul(s.d)
+        self.p1_consts = tuple(cfg.pass1_consts())
         # buffers
         B, Hkv, d = s.B, s.Hkv, s.d
         self.ksum = cp.zeros((B, Hkv, d), np.uint64)
@@ -205,16 +159,16 @@ class Plan:
         self.qhat = cp.empty((B, Hkv, s.Rp, d), np.uint16)
         self.cq = cp.empty((B, Hkv, s.Rp), F32)
         self.sh = cp.empty((B, Hkv, s.Rp), F32)
-        self.khat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
-        self.vhat = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)
-        self.kimg = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)  # FP16 tile images for pass 2
-        self.vimg = cp.empty((B, Hkv, s.ntkv, TILE * d), np.uint16)
+        self.khat = cp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
+        self.vhat = cp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
+        self.kimg = cp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # FP16 tile images for pass 2
+        self.vimg = cp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
         self.part = cp.empty((B, Hkv, s.Rp, d), F32)
         self.ml = cp.empty((B, Hkv, s.Rp, 2), F32)
         self.hot = cp.zeros((B, Hkv, s.nw, s.W), np.uint32)
         self.out = cp.empty((B, s.n, s.H, d), np.uint16)
         self.dummy = cp.zeros(16, np.int32)
-        self.items = s.B * s.Hkv * s.nqb
+        self.items = s.B * s.Hkv * _ctas(s)
         self.counters = cp.zeros(4, np.uint32)
         self.flags = cp.zeros(max(self.items, 1), np.uint32)
         self._trace_setup()
@@ -262,7 +216,7 @@ class Plan:
 
     def prep(self, q, k, v):
         """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous)."""
-        s, cfg, g = self.shape, self.cfg, self.shape.geom_args()
+        s, cfg, g = self.shape, self.cfg, _geom_args(self.shape)
         lsq, inter = I32(cfg.block_scale == "lsq"), I32(cfg.p_groups == "interleaved")
         self.ksum.fill(0)
         self.amax.fill(0)
@@ -272,17 +226,17 @@ class Plan:
         self._launch("apa_prep_q", (-(-s.Rp * nb // 128), s.Hkv, s.B), 128,
                      (q, self.kmean, self.scales, self.qhat, self.cq, self.sh, *g, self.qmul,
                       I32(_q_mode(cfg)), I32(cfg.q_terms), lsq))
-        self._launch("apa_prep_k", (-(-s.ntkv * TILE * nb // 128), s.Hkv, s.B), 128,
+        self._launch("apa_prep_k", (-(-s.ntiles * TILE * nb // 128), s.Hkv, s.B), 128,
                      (k, self.kmean, self.scales, self.khat, *g, I32(cfg.quant_k), lsq, inter))
-        self._launch("apa_prep_v", (-(-s.ntkv * 4 * s.d // 128), s.Hkv, s.B), 128,
+        self._launch("apa_prep_v", (-(-s.ntiles * 4 * s.d // 128), s.Hkv, s.B), 128,
                      (v, self.scales, self.vhat, *g, I32(cfg.quant_v), lsq, inter))
-        self._launch("apa_prep_kv16", (-(-s.ntkv * TILE * (s.d // 8) // 128), s.Hkv, s.B), 128,
+        self._launch("apa_prep_kv16", (-(-s.ntiles * TILE * (s.d // 8) // 128), s.Hkv, s.B), 128,
                      (k, v, self.kimg, self.vimg, *g))
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
-        s, cfg, g = self.shape, self.cfg, self.shape.geom_args()
-        grid = (s.nqb, s.Hkv, s.B)
+        s, cfg, g = self.shape, self.cfg, _geom_args(self.shape)
+        grid = (_ctas(s), s.Hkv, s.B)
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)
@@ -380,18 +334,16 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     out = plan.out.get().view(np.float16)
     hot = plan.hot.get()
     visits, rows = plan.trace_arrays()
-    last = shape.last_tiles()
-    active = shape.B * shape.Hkv * int((last + 1).sum())
     hot_tiles = int(np.unpackbits(hot.view(np.uint8)).sum())
     return Result(
         out=out[0] if squeeze else out,
         hot=hot,
-        active_tiles=active,
+        active_tiles=shape.active_tiles(),
         hot_tiles=hot_tiles,
         config=cfg,
         visits=visits,
         rows=rows,
-        meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntkv, device="gpu"),
+        meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, device="gpu"),
     )
 
 
@@ -422,15 +374,15 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     from apa_emu.prep import slot_keys
 
     slots = slot_keys(cfg.p_groups)
-    khat_slot = h(plan.khat).reshape(s.B, s.Hkv, s.ntkv, TILE * s.d)[..., _image_index(TILE, s.d)]
+    khat_slot = h(plan.khat).reshape(s.B, s.Hkv, s.ntiles, TILE * s.d)[..., _image_index(TILE, s.d)]
     khat = np.empty_like(khat_slot)
     khat[:, :, :, slots] = khat_slot  # slot j holds key slots[j]
-    vhat = h(plan.vhat).reshape(s.B, s.Hkv, s.ntkv, TILE * s.d)[..., _image_index(s.d, TILE)]
+    vhat = h(plan.vhat).reshape(s.B, s.Hkv, s.ntiles, TILE * s.d)[..., _image_index(s.d, TILE)]
     sc = plan.scales.get()
     return dict(
         kmean=plan.kmean.get(), kg=sc[..., 0], vg=sc[..., 1],
         qhat=h(plan.qhat)[:, :, : s.R], cq=plan.cq.get()[:, :, : s.R], sh=plan.sh.get()[:, :, : s.R],
-        khat=khat.reshape(s.B, s.Hkv, s.ntkv * TILE, s.d), vhat_t=vhat,
+        khat=khat.reshape(s.B, s.Hkv, s.ntiles * TILE, s.d), vhat_t=vhat,
     )
 
 

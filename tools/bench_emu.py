@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apa_emu import Config, attention  # noqa: E402
-from apa_emu.api import _Runner, _warps  # noqa: E402
+from apa_emu.api import _Runner  # noqa: E402
+from apa_emu.geometry import Shape  # noqa: E402
 from apa_emu.prep import prepare  # noqa: E402
 from apa_emu.synth import synthetic, synthetic_preset  # noqa: E402
 
@@ -45,11 +46,11 @@ def one_warp(keys: int, model: str, reps: int):
     for _ in range(reps):
         prep, wall, cpu = timed(lambda: prepare(dump.q, dump.k, dump.v, dump.q_offset, cfg))
         prep_t.append((wall, cpu))
-        runner = _Runner(prep, cfg, None)
-        (wp,) = list(_warps(prep, 0, 0))
-        res, wall, cpu = timed(lambda: runner.run(wp))
+        shape = Shape(1, 16, 1, 1, keys, 128, dump.q_offset)
+        runner = _Runner(shape, 0, 0, prep, cfg, None)
+        res, wall, cpu = timed(lambda: runner.run(0))
         warp_t.append((wall, cpu))
-    return prep_t, warp_t, res["nhot"] / res["active"]
+    return prep_t, warp_t, res.nhot / res.active
 
 
 def row(case, model, runs):
