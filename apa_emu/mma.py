@@ -1,6 +1,6 @@
 """Bit-exact models of the tensor-core MMA instructions (numerics.md §3).
 
-One arithmetic primitive, the truncated fused dot-product-add `_fdpa` (mma_models.md §1), is kept
+One arithmetic primitive, the truncated fused dot-product-add `_fdpa` (docs/mma_models.md §1), is kept
 apart from the table `INSTRUCTIONS` that binds each instruction to its parameters (F, e_zero, output
 conversion, k per step, k per group). The chain drivers decode operands into (value, exponent) terms
 for one step and hand them to the primitive; a chain is a left fold over steps in increasing k, each
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-# Output conversions ρ of mma_models.md §1 step 7.
+# Output conversions ρ of mma_models.md §1.7.
 RHO_RZ_FP32 = 0
 RHO_RNE_FP16 = 1
 

@@ -1,6 +1,6 @@
 """The H200's mma.sync.m16n8k16 (f16→f32 and f16→f16) against the emulator's sm90 model, bitwise.
 
-numerics.md §3.1; the targeted probes are those of ../shared/research/mma_models.md §8 (1–6, 8, 9:
+numerics.md §3.1; the targeted probes are those of docs/mma_models.md §8 (1–6, 8, 9:
 the FP8 probe 7 does not apply to the instructions we use), each checked against the value stated
 there and against ``apa_emu.mma``; then ≥ 10^5 random tiles per instruction (random bit patterns,
 random finite bit patterns, cancellation-heavy sums), compared bit for bit. Marked ``gpu``.

@@ -2,7 +2,7 @@
 
 * mmasim 2.1.1 (off-repo, torch): Hopper ``mma.sync.m16n8k16`` f16→f32 and f16→f16, and sm_120
   ``mxf4nvf4.block16 … ue4m3``, compared bit for bit on many input regimes;
-* the targeted probes of ``shared/research/mma_models.md`` §8 with the values stated there;
+* the targeted probes of ``docs/mma_models.md`` §8 with the values stated there;
 * exact rationals (``fractions.Fraction``) for the ``exact`` model.
 
 The default run draws ≥ 10^4 dot products per model; ``-m slow`` draws 10^6.
