@@ -1,8 +1,30 @@
 """apa_emu: the bit-exact reference emulator of APA attention for sm_90 (see docs/numerics.md)."""
 
-from .api import Result, attention, validate
-from .config import Config
-from .metrics import pair_metrics, summarize
-from .reference import reference, reference_rows
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+
+
+def _numba_cache_dir() -> str:
+    """Numba's cache directory, keyed on a hash of this package's sources.
+
+    Numba's own cache is keyed on each function's file alone: a cached function is not recompiled
+    when a function it calls in another file changes, so with a warm cache an edit to fpmath.py
+    would go untested. A directory per source state makes every edit a cold cache."""
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    base = os.environ.get("NUMBA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "apa_emu"
+    return str(Path(base) / f"numba-{h.hexdigest()[:16]}")
+
+
+numba.config.CACHE_DIR = _numba_cache_dir()  # before any @njit(cache=True) below is decorated
+
+from .api import Result, attention, validate  # noqa: E402
+from .config import Config  # noqa: E402
+from .metrics import pair_metrics, summarize  # noqa: E402
+from .reference import reference, reference_rows  # noqa: E402
 
 __all__ = ["Config", "Result", "attention", "validate", "reference", "reference_rows", "pair_metrics", "summarize"]

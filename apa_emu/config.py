@@ -22,6 +22,13 @@ _CHOICES = {
 }
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclass(frozen=True)
 class Config:
     """Every toggle of the APA numerics. The defaults are what the sm_90 kernel does.
@@ -65,12 +72,13 @@ class Config:
             raise ValueError(f"config.tau={self.tau!r}: expected an integer in 0..8")
         for name in ("eps", "delta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float, np.floating)) or not math.isfinite(value):
-                raise ValueError(f"config.{name}={value!r}: expected a finite number")
+            if not _is_real(value) or not math.isfinite(value) or abs(value) > F32_MAX:
+                raise ValueError(f"config.{name}={value!r}: expected a finite number within binary32 range")
         if self.delta < 0:
             raise ValueError(f"config.delta={self.delta!r}: must be >= 0")
-        if self.scale is not None and (not math.isfinite(self.scale) or self.scale <= 0):
-            raise ValueError(f"config.scale={self.scale!r}: expected a positive finite number or None")
+        if self.scale is not None and (not _is_real(self.scale) or not math.isfinite(self.scale)
+                                       or not 0 < self.scale <= F32_MAX or np.float32(self.scale) == 0):
+            raise ValueError(f"config.scale={self.scale!r}: expected a positive binary32 number or None")
         if self.mma == "sm120":
             off = [n for n in ("quant_q", "quant_k", "quant_p", "quant_v") if not getattr(self, n)]
             if off or self.q_format != "nvfp4":
@@ -111,14 +119,18 @@ class Config:
             raw = raw.strip()
             if isinstance(current, bool):
                 if raw.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
-                    raise ValueError(f"--config {item!r}: expected on/off")
+                    raise ValueError(f"--config {item!r}: {key} expects on/off")
                 changes[key] = raw.lower() in ("1", "true", "on", "yes")
-            elif key == "scale":
-                changes[key] = None if raw.lower() == "none" else float(raw)
-            elif isinstance(current, int):
-                changes[key] = int(raw)
-            elif isinstance(current, float):
-                changes[key] = float(raw)
-            else:
+            elif key in _CHOICES:
                 changes[key] = raw
+            else:
+                kind = int if isinstance(current, int) else float
+                if key == "scale" and raw.lower() == "none":
+                    changes[key] = None
+                    continue
+                try:
+                    changes[key] = kind(raw)
+                except ValueError:
+                    raise ValueError(f"--config {item!r}: {key} expects {'an integer' if kind is int else 'a number'}"
+                                     ) from None
         return dataclasses.replace(base, **changes)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hyp import Seen, examples
 
-from apa_emu import Config, attention, reference
+from apa_emu import Config, attention, fpmath, reference
+from apa_emu.merge import merge
 from apa_emu.metrics import pair_metrics
 from apa_emu.synth import synthetic
 
@@ -17,9 +19,9 @@ ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
 
 
 @st.composite
-def problems(draw, max_keys=640):
+def problems(draw, max_keys=640, dims=(64, 128)):
     """Small attention problems with the structure the hot test cares about."""
-    d = draw(st.sampled_from([64, 128]))
+    d = draw(st.sampled_from(dims))
     nkv = draw(st.sampled_from([1, 2]))
     G = draw(st.sampled_from([1, 3]))
     kv = draw(st.integers(70, max_keys))
@@ -57,73 +59,163 @@ def packed_reference(q, k, v, off, rows) -> np.ndarray:
     return reference_rows(q, k, v, off, pos, head, Config().softmax_scale(q.shape[2]))
 
 
-@settings(deadline=None, max_examples=12)
-@given(problems(), st.sampled_from([0.0, 0.005, 0.05]))
-def test_unquantized_exact_matches_float64(problem, eps):
+def test_unquantized_exact_matches_float64():
     """§3.3 + toggles off: only binary32 softmax arithmetic remains, so the merged binary32 result is
-    within 1e-5 of float64 attention, and the FP16 output is that value rounded (±1 FP16 ulp)."""
-    q, k, v, off = problem
-    res = attention(q, k, v, off, Config(eps=eps, mma="exact", p2_accum="f32", **ALL_OFF), trace="all")
-    ref = packed_reference(q, k, v, off, res.rows)
-    got = merged_f64(res.rows)
-    rel = np.sqrt(((got - ref) ** 2).sum() / (ref**2).sum())
-    assert rel <= 1e-5
-    out16 = res.rows["out"].astype(np.float64)
-    assert np.all(np.abs(out16 - got) <= np.spacing(np.abs(got).astype(np.float16)).astype(np.float64) + 1e-12)
+    within 1e-5 of float64 attention, and the FP16 output is that value rounded (±1 FP16 ulp). Hot
+    and cold tiles both occur, and some rows merge both parts."""
+    seen = Seen()
+
+    @settings(deadline=None, max_examples=examples(12))
+    @given(problems(dims=(64, 128, 256)), st.sampled_from([0.0, 0.005, 0.05, 0.3]))
+    def prop(problem, eps):
+        q, k, v, off = problem
+        res = attention(q, k, v, off, Config(eps=eps, mma="exact", p2_accum="f32", **ALL_OFF), trace="all")
+        ref = packed_reference(q, k, v, off, res.rows)
+        got = merged_f64(res.rows)
+        rel = np.sqrt(((got - ref) ** 2).sum() / (ref**2).sum())
+        assert rel <= 1e-5
+        out16 = res.rows["out"].astype(np.float64)
+        assert np.all(np.abs(out16 - got) <= np.spacing(np.abs(got).astype(np.float16)).astype(np.float64) + 1e-12)
+        seen.update(hot=int(res.visits["hot"].sum()), cold=int((res.visits["hot"] == 0).sum()),
+                    merged=int(((res.rows["l1"] > 0) & (res.rows["l2"] > 0)).sum()), d256=int(q.shape[2] == 256))
+
+    prop()
+    seen.require("hot", "cold", "merged", "d256")
 
 
-@settings(deadline=None, max_examples=12)
-@given(problems(), st.sampled_from([0.0, 0.002, 0.01, 0.1]))
-def test_cold_verdicts_are_safe(problem, eps):
+def _previous_state(vis):
+    """For each visit record, the (m, la) of its warp before the visit (§7: −inf and 0 at first)."""
+    m_prev = np.full(vis["m"].shape, -np.inf, np.float32)
+    la_prev = np.zeros(vis["la"].shape, np.float32)
+    same = (vis["b"][1:] == vis["b"][:-1]) & (vis["hk"][1:] == vis["hk"][:-1]) & (vis["warp"][1:] == vis["warp"][:-1])
+    m_prev[1:][same] = vis["m"][:-1][same]
+    la_prev[1:][same] = vis["la"][:-1][same]
+    return m_prev, la_prev
+
+
+def test_hot_verdicts_follow_the_hot_test():
+    """§7.7 re-evaluated from the trace: a tile is hot exactly when some row has
+    tl > ε ⊗ ((la ⊗ a) ⊕ tl), with the state before the visit. ε = 0 makes the strict comparison
+    observable: a tile whose P̂ all round to zero (tl = 0) must stay cold."""
+    seen = Seen()
+
+    @settings(deadline=None, max_examples=examples(12))
+    @given(problems(), st.sampled_from([0.0, 0.005, 0.3, 1.0]), st.sampled_from(["sm90", "sm120"]),
+           st.sampled_from([32.0, 0.0]))
+    # δ = 0 keeps the frame at the sink, and the tail 16.5 below it quantizes to P̂ = 0
+    @example(sink_dominated_tail(keys=1024), 0.0, "sm90", 0.0)
+    def prop(problem, eps, mma, delta):
+        q, k, v, off = problem
+        res = attention(q, k, v, off, Config(eps=eps, mma=mma, delta=delta), trace="all")
+        vis = res.visits
+        m_prev, la_prev = _previous_state(vis)
+        valid = np.zeros(vis["m"].shape, bool)
+        R = res.meta["R"]
+        valid[:] = (16 * vis["warp"][:, None] + np.arange(16)[None, :]) < R
+        with np.errstate(invalid="ignore", over="ignore"):
+            a = np.where(vis["c"] == m_prev, np.float32(1), fpmath.exp2_np(m_prev - vis["c"], True)).astype(np.float32)
+            bound = np.float32(eps) * (la_prev * a + vis["tl"])
+        hot = ((vis["tl"] > bound) & valid).any(axis=1)
+        assert np.array_equal(hot, vis["hot"] == 1)
+        seen.update(hot=int(hot.sum()), cold=int((~hot).sum()),
+                    zero_sum_cold=int((eps == 0) * ((vis["tl"] == 0) | ~valid).all(axis=1).sum()))
+
+    prop()
+    seen.require("hot", "cold", "zero_sum_cold")
+
+
+def test_cold_verdicts_are_safe():
     """§7.7: every tile pass 1 calls cold has ℓ_t ≤ ε·λ_final in the final frame, for every row."""
-    q, k, v, off = problem
-    res = attention(q, k, v, off, Config(eps=eps), trace="all")
-    vis = res.visits
-    for key in {(int(b), int(h), int(w)) for b, h, w in zip(vis["b"], vis["hk"], vis["warp"])}:
-        sel = vis[(vis["b"] == key[0]) & (vis["hk"] == key[1]) & (vis["warp"] == key[2])]
-        final = sel[-1]
-        rows = final["la"] > 0
-        for rec in sel[sel["hot"] == 0]:
-            # the cold branch moved the frame to c, so tl is in the frame m recorded after the step
-            tl_final = rec["tl"].astype(np.float64) * np.exp2(rec["m"].astype(np.float64) - final["m"])
-            assert np.all(tl_final[rows] <= eps * final["la"][rows].astype(np.float64) * (1 + 1e-5))
+    seen = Seen()
+
+    @settings(deadline=None, max_examples=examples(12))
+    @given(problems(), st.sampled_from([0.002, 0.01, 0.1, 0.3]))
+    def prop(problem, eps):
+        q, k, v, off = problem
+        res = attention(q, k, v, off, Config(eps=eps), trace="all")
+        vis = res.visits
+        for key in {(int(b), int(h), int(w)) for b, h, w in zip(vis["b"], vis["hk"], vis["warp"])}:
+            sel = vis[(vis["b"] == key[0]) & (vis["hk"] == key[1]) & (vis["warp"] == key[2])]
+            final = sel[-1]
+            rows = final["la"] > 0
+            for rec in sel[sel["hot"] == 0]:
+                # the cold branch moved the frame to c, so tl is in the frame m recorded after the step
+                tl_final = rec["tl"].astype(np.float64) * np.exp2(rec["m"].astype(np.float64) - final["m"])
+                assert np.all(tl_final[rows] <= eps * final["la"][rows].astype(np.float64) * (1 + 1e-5))
+                seen.update(cold_with_mass=int((rec["tl"][rows] > 0).any()))
+
+    prop()
+    seen.require("cold_with_mass")
 
 
-@settings(deadline=None, max_examples=8)
-@given(problems(max_keys=400))
-def test_negative_eps_is_pass2_alone(problem):
+def test_negative_eps_is_pass2_alone():
     """§9.6: with ε < 0 there is no pass-1 state and every active tile is hot; the output is the
     pass-2 state alone, out = f16(o2 ⊗ (1 ⊘ l2))."""
-    q, k, v, off = problem
-    res = attention(q, k, v, off, Config(eps=-1.0), trace="all")
-    assert res.visits.size == 0 and res.hot_tiles == res.active_tiles
-    rows = res.rows
-    assert np.all(rows["l1"] == 0) and np.all(np.isneginf(rows["m1"]))
-    inv = np.float32(1) / rows["l2"]
-    expect = (rows["o2"] * inv[:, None]).astype(np.float16)
-    assert np.array_equal(expect.view(np.uint16), rows["out"].view(np.uint16))
+
+    @settings(deadline=None, max_examples=examples(8))
+    @given(problems(max_keys=400))
+    def prop(problem):
+        q, k, v, off = problem
+        res = attention(q, k, v, off, Config(eps=-1.0), trace="all")
+        assert res.visits.size == 0 and res.hot_tiles == res.active_tiles
+        rows = res.rows
+        assert np.all(rows["l1"] == 0) and np.all(np.isneginf(rows["m1"]))
+        inv = np.float32(1) / rows["l2"]
+        expect = (rows["o2"] * inv[:, None]).astype(np.float16)
+        assert np.array_equal(expect.view(np.uint16), rows["out"].view(np.uint16))
+
+    prop()
 
 
-def test_merge_of_disjoint_states_is_one_pass():
-    """§9 in exact arithmetic: merging the (m, l, o) states of two disjoint key sets, each in its own
-    frame, equals one softmax over all keys."""
+def merge_f64(m1, l1, part, m2, l2, o2) -> np.ndarray:
+    """§9 in float64: each part weighted by 2^(m − max(m1, m2)), an empty part (l = 0) by 0."""
+    m1, l1, m2, l2 = (np.asarray(x, np.float64) for x in (m1, l1, m2, l2))
+    big = np.maximum(m1, m2)
+    with np.errstate(invalid="ignore"):
+        w1 = np.where(l1 > 0, np.exp2(np.where(l1 > 0, m1 - big, 0)), 0.0)
+        w2 = np.where(l2 > 0, np.exp2(np.where(l2 > 0, m2 - big, 0)), 0.0)
+    return (w1[:, None] * part + w2[:, None] * o2) / (w1 * l1 + w2 * l2)[:, None]
+
+
+def test_merge_of_two_frames_is_one_softmax():
+    """§9: the emulator's merge of the states of two disjoint key sets, each in its own frame (m1 and
+    m2 up to 40 apart, either larger), equals float64 softmax over all keys to binary32 accuracy
+    before the final FP16 rounding; an empty part (l = 0) weighs nothing."""
     rng = np.random.default_rng(3)
-    s = rng.standard_normal(300) * 4
-    vals = rng.standard_normal((300, 8))
-    split = rng.permutation(300)
-    a, b = split[:120], split[120:]
+    R, d, keys = 64, 8, 300
+    s = rng.standard_normal((R, keys)) * 4
+    s[:, :150] += rng.uniform(-40, 40, (R, 1))  # the two halves live in frames far apart
+    vals = rng.standard_normal((keys, d))
+    states = []
+    for idx in (np.arange(150), np.arange(150, keys)):
+        m = s[:, idx].max(axis=1)
+        p = np.exp2(s[:, idx] - m[:, None])
+        states += [m.astype(np.float32), p.sum(axis=1).astype(np.float32),
+                   (p @ vals[idx]).astype(np.float32)]  # ok: float64 oracle
+    m1, l1, part, m2, l2, o2 = states
+    m2[:4], l2[:4], o2[:4] = -np.inf, 0, 0  # rows whose second part is empty
+    got = merge(m1, l1, part, m2, l2, o2, True).astype(np.float64)
+    want = merge_f64(m1, l1, part, m2, l2, o2)
+    p = np.exp2(s - s.max(axis=1, keepdims=True))
+    p[:4, 150:] = 0
+    softmax = (p @ vals) / p.sum(axis=1, keepdims=True)  # ok: float64 oracle
+    np.testing.assert_allclose(want, softmax, rtol=1e-5, atol=1e-6)
+    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(got - want) <= ulp + 1e-7)
+    assert (m1 > m2).any() and (m1 < m2).any()
 
-    def state(idx):
-        m = s[idx].max()
-        p = np.exp2(s[idx] - m)
-        return m, p.sum(), p @ vals[idx]  # ok: float64 oracle
 
-    (m1, l1, o1), (m2, l2, o2) = state(a), state(b)
-    big = max(m1, m2)
-    w1, w2 = 2.0 ** (m1 - big), 2.0 ** (m2 - big)
-    merged = (w1 * o1 + w2 * o2) / (w1 * l1 + w2 * l2)
-    p = np.exp2(s - s.max())
-    np.testing.assert_allclose(merged, p @ vals / p.sum(), rtol=1e-13, atol=1e-15)  # ok: float64 oracle
+def test_emulator_output_is_the_merge_of_its_traced_parts():
+    """End to end (§9): with hot and cold tiles mixed, every row's FP16 output is the float64 merge of
+    its traced pass-1 and pass-2 states rounded (±1 FP16 ulp), and rows that merge both parts exist."""
+    dump = synthetic(48, 700, 4, 2, 64, seed=31, q_offset=652)
+    res = attention(dump.q, dump.k, dump.v, dump.q_offset, Config(eps=0.05), trace="all")
+    rows = res.rows
+    want = merged_f64(rows)
+    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(rows["out"].astype(np.float64) - want) <= ulp + 1e-12)
+    both = (rows["l1"] > 0) & (rows["l2"] > 0)
+    assert both.sum() > 10 and (rows["m1"][both] != rows["m2"][both]).any()
 
 
 def sink_dominated_tail(keys=6144, d=64, gap=16.5):
@@ -217,3 +309,68 @@ def test_head_dim_256_and_batch():
     assert np.array_equal(batched.out[1].view(np.uint16), alone.out.view(np.uint16))
     cos, _ = pair_metrics(alone.out, reference(b.q, b.k, b.v, b.q_offset))
     assert cos.min() > 0.99
+
+
+def test_sm120_end_to_end_against_sm90_and_float64():
+    """`sm120` (§3.2) through the whole pass 1 on sink-structured input. Its FP4 products see the same
+    Q̂, K̂, P̂ and V̂ values as `sm90`'s FP16 ones, so outputs agree within 1 % rel. L2 in pure FP4 (every
+    tile cold; a wrong row sum, §7.6, would rescale whole rows) while still differing in some bits;
+    with hot tiles mixed in (ε = 0.3) the error against float64 shrinks."""
+    dump = synthetic(32, 900, 4, 2, 64, seed=41, q_offset=868)
+    ref = reference(dump.q, dump.k, dump.v, dump.q_offset)
+    runs = {(mma, eps): attention(dump.q, dump.k, dump.v, dump.q_offset, Config(mma=mma, eps=eps))
+            for mma in ("sm120", "sm90") for eps in (1e9, 0.3)}
+    fp4, mixed = runs["sm120", 1e9], runs["sm120", 0.3]
+    assert fp4.hot_tiles == 0 and 0 < mixed.hot_tiles < mixed.active_tiles
+    _, rel_models = pair_metrics(fp4.out, runs["sm90", 1e9].out.astype(np.float64))
+    assert 0 < rel_models.max() <= 0.01
+    _, rel_fp4 = pair_metrics(fp4.out, ref)
+    _, rel_mixed = pair_metrics(mixed.out, ref)
+    assert rel_mixed.mean() < 0.5 * rel_fp4.mean()
+
+
+def test_fast_exp2_end_to_end():
+    """The fast mode on the CPU (§2, §7.5) with hot and cold tiles mixed: its binary16 P' moves some
+    E2M1 codes, so outputs differ from the soft mode, but the accuracy against float64 is the same
+    within 5 % and the hot verdicts flip on at most 5 % of the hot tiles."""
+    dump = synthetic(40, 1200, 4, 2, 128, seed=43, q_offset=1160)
+    ref = reference(dump.q, dump.k, dump.v, dump.q_offset)
+    soft = attention(dump.q, dump.k, dump.v, dump.q_offset, Config(eps=0.3))
+    fast = attention(dump.q, dump.k, dump.v, dump.q_offset, Config(eps=0.3, exp2="fast"))
+    assert 0 < soft.hot_tiles < soft.active_tiles
+    assert (fast.out != soft.out).any()
+    _, rel_soft = pair_metrics(soft.out, ref)
+    _, rel_fast = pair_metrics(fast.out, ref)
+    assert abs(rel_fast.mean() - rel_soft.mean()) <= 0.05 * rel_soft.mean()
+    flips = np.unpackbits((soft.hot ^ fast.hot).view(np.uint8)).sum()
+    assert flips <= 0.05 * soft.hot_tiles
+
+
+@pytest.mark.parametrize("exponent", [-20, -12])
+def test_subnormal_inputs_keep_their_values(exponent):
+    """FP16 subnormal q, k, v (§1.2: subnormals are kept, nothing flushes): with the toggles off and
+    the exact model the output matches float64 attention of the same inputs within 1 FP16 ulp, so
+    the tiny values were neither flushed nor mis-scaled in prep (§5.2 head scales are powers of 2)."""
+    dump = synthetic(16, 200, 2, 1, 64, seed=47)
+    q, k, v = ((x.astype(np.float64) * 2.0**exponent).astype(np.float16) for x in (dump.q, dump.k, dump.v))
+    assert (np.abs(v[v != 0]) < 2.0**-14).any()  # subnormal values really occur
+    res = attention(q, k, v, dump.q_offset, Config(mma="exact", p2_accum="f32", eps=0.05, **ALL_OFF))
+    ref = reference(q, k, v, dump.q_offset)
+    ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(res.out.astype(np.float64) - ref) <= 2 * ulp)
+    assert np.any(res.out != 0)
+
+
+def test_fp16_output_overflow_is_reproduced_not_hidden():
+    """§8.5: pass 2 keeps O in FP16 across all hot tiles, as the seed does. Diffuse rows (all scores
+    0) over 16384 keys with V = 8 sum to 131072 > 65504: the FP16 accumulator overflows to inf and
+    the output is non-finite; binary32 accumulation (p2_accum = "f32") gives the exact answer 8."""
+    keys, d = 16384, 64
+    q = np.zeros((16, 1, d), np.float16)
+    k = np.zeros((keys, 1, d), np.float16)
+    v = np.full((keys, 1, d), 8, np.float16)
+    off = keys - 16
+    f16 = attention(q, k, v, off, Config(eps=-1.0), trace="all")
+    f32 = attention(q, k, v, off, Config(eps=-1.0, p2_accum="f32"))
+    assert not np.isfinite(f16.out).any() and np.isinf(f16.rows["o2"]).any()
+    assert np.all(f32.out == 8)

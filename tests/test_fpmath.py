@@ -152,15 +152,21 @@ def test_exp2s_error_unit_interval_all():
 
 
 def test_exp2f():
+    """§2 fast-mode model: binary32 of exp2, flushed below 2⁻¹²⁶. Oracles: exact powers of two at the
+    integers (``math.ldexp``), the C library's ``pow`` (not NumPy's exp2) rounded once to binary32
+    elsewhere, and the flush and special values by the spec's words."""
+    ints = np.arange(-126, 128).astype(np.float32)
+    assert np.array_equal(_map_f32(exp2f, ints), np.array([math.ldexp(1.0, int(i)) for i in ints], np.float32))
     rng = np.random.default_rng(2)
-    xs = rng.uniform(-140, 140, 100_000).astype(np.float32)
+    xs = rng.uniform(-126, 128, 100_000).astype(np.float32)
     got = _map_f32(exp2f, xs)
-    with np.errstate(over="ignore"):
-        want = np.exp2(xs.astype(np.float64)).astype(np.float32)
-    want[want < 2.0**-126] = 0
+    want = np.array([2.0 ** float(x) for x in xs]).astype(np.float32)
     assert np.array_equal(got, want)
-    assert exp2f(np.float32(-np.inf)) == 0 and exp2f(np.float32(-126.5)) == 0
+    below = np.nextafter(np.float32(-126), np.float32(-np.inf))
+    assert exp2f(below) == 0 and exp2f(np.float32(-126)) == np.float32(2.0**-126)
+    assert exp2f(np.float32(-np.inf)) == 0 and exp2f(np.float32(-149)) == 0
     assert math.isnan(exp2f(np.float32(np.nan))) and exp2f(np.float32(np.inf)) == np.inf
+    assert exp2f(np.float32(128)) == np.inf
 
 
 def test_exp2_dispatch():
