@@ -13,7 +13,7 @@ from .config import Config
 from .geometry import HEAD_DIMS, ROWS, Shape, WarpRows, visit_order
 from .merge import merge
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
-from .pass2 import pass2_warp
+from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, prepare, slot_keys, unpack_rows
 
 F32 = np.float32
@@ -116,9 +116,7 @@ class WarpResult:
     active: int  # T_w + 1 (§6.3)
     nhot: int
     p1: P1Out
-    m2: np.ndarray
-    l2: np.ndarray
-    o2: np.ndarray
+    p2: P2Out
     visits: np.ndarray | None = None
     rows: np.ndarray | None = None
 
@@ -138,6 +136,7 @@ class _Runner:
         self.consts = cfg.pass1_consts()
         self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
                            slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf))
+        self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul)
 
     def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
         """The warp's rows of a per-row prep array, ``pad`` in padding rows (numerics.md §6.2)."""
@@ -168,12 +167,12 @@ class _Runner:
         pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
         return out, trace
 
-    def _pass2(self, wr: WarpRows, tiles: np.ndarray):
-        p, cfg = self.prep, self.cfg
-        m2, l2, o2 = np.full(ROWS, -np.inf, F32), np.zeros(ROWS, F32), np.zeros((ROWS, p.d), F32)
-        pass2_warp(cfg.mma == "exact", cfg.p2_accum == "f32", self._rows(p.q16, wr, 0), wr.valid, wr.lim,
-                   p.sh[0, wr.rows], p.qmul, p.k16[0], p.v16_t[0], tiles, self.soft, m2, l2, o2)
-        return m2, l2, o2
+    def _pass2(self, wr: WarpRows, tiles: np.ndarray) -> P2Out:
+        p = self.prep
+        out = P2Out.new(p.d)
+        pass2_warp(self.p2_mode, P2Rows(wr.valid, wr.lim, p.sh[0, wr.rows]), self._rows(p.q16, wr, 0), p.k16[0],
+                   p.v16_t[0], tiles, out)
+        return out
 
     def _visit_records(self, w: int, trace: tr.VisitTrace) -> np.ndarray:
         nv = trace.tile.shape[0]
@@ -187,7 +186,7 @@ class _Runner:
         nvalid = int(wr.valid.sum())
         rec = np.zeros(nvalid, tr.row_dtype(self.prep.d))
         rec["b"], rec["hk"], rec["row"] = self.b, self.hk, wr.w * ROWS + np.arange(nvalid)
-        state = dict(m1=res.p1.m1, l1=res.p1.l1, part=res.p1.part, m2=res.m2, l2=res.l2, o2=res.o2, out=res.out)
+        state = {**res.p1._asdict(), **res.p2._asdict(), "out": res.out}
         for name in tr.ROW_FIELDS:
             rec[name] = state[name][:nvalid]
         return rec
@@ -197,9 +196,9 @@ class _Runner:
         traced = self.want is not None and self.want.wants(self.b, self.hk, w)
         p1, trace = self._pass1(wr, traced)
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
-        m2, l2, o2 = self._pass2(wr, tiles)
-        out = merge(p1.m1, p1.l1, p1.part, m2, l2, o2, self.soft)
-        res = WarpResult(w, out, p1.hot_words, wr.last_tile + 1, len(tiles), p1, m2, l2, o2)
+        p2 = self._pass2(wr, tiles)
+        out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft)
+        res = WarpResult(w, out, p1.hot_words, wr.last_tile + 1, len(tiles), p1, p2)
         if traced:
             res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
         return res

@@ -101,44 +101,33 @@ def _fold(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return formats.dequantize_blocks(codes, scales)
 
 
-def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config) -> Prepared:
-    """Prep for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated."""
-    n, H, d = q.shape
-    S, Hkv, _ = k.shape
-    G = H // Hkv
-    T = cdiv(S, TILE)
-    lsq = cfg.block_scale == "lsq"
-    sm120, exact = cfg.mma == "sm120", cfg.mma == "exact"
-    operand = (lambda x: x) if exact else _f16  # §5.6: unquantized operands enter as FP16 (sm90)
+def operand(x: np.ndarray, cfg: Config) -> np.ndarray:
+    """§5.6: an unquantized pass-1 operand enters at FP16 under `sm90`/`sm120`, as binary32 under `exact`."""
+    return x if cfg.mma == "exact" else _f16(x)
 
-    kf = np.zeros((T * TILE, Hkv, d), F32)
-    kf[:S] = k.astype(F32)
-    vf = np.zeros((T * TILE, Hkv, d), F32)
-    vf[:S] = v.astype(F32)
 
-    # §5.1–5.2 per KV head
+def prep_stats(k: np.ndarray, kf: np.ndarray, vf: np.ndarray):
+    """§5.1–5.2 per KV head: the exact K mean and the head scales kg, vg (kf, vf hold the S keys)."""
     kmean = kmean_exact(k)  # [Hkv, d]
-    amax_k = np.abs(kf[:S]).max(axis=(0, 2))
-    mk = np.abs(kmean).max(axis=1)
-    kg = head_scale(amax_k + mk)
-    vg = head_scale(np.abs(vf[:S]).max(axis=(0, 2)))
+    kg = head_scale(np.abs(kf).max(axis=(0, 2)) + np.abs(kmean).max(axis=1))
+    vg = head_scale(np.abs(vf).max(axis=(0, 2)))
+    return kmean, kg, vg
 
-    qmul = cfg.qmul(d)
-    fp4 = {}  # sm120 only: codes and scales (§3.2)
 
-    # §5.3 Q, per packed row
-    q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
+def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32, cfg: Config, fp4: dict):
+    """§5.3 per packed row: Q̂ (NVFP4 in one or two terms, FP8, or unquantized), c_q and the pass-2
+    row shift sh = (q·k̄ summed sequentially over channels) ⊗ qmul."""
+    lsq = cfg.block_scale == "lsq"
     x = q16 * qmul
     am = np.abs(x).max(axis=2, keepdims=True)
     if cfg.quant_q and cfg.q_format == "fp8":
         qr = np.maximum(am, TINY) / E4M3_MAX
-        codes = formats.e4m3_codes(x / qr)
-        qhat = formats.e4m3_values(codes)
+        qhat = formats.e4m3_values(formats.e4m3_codes(x / qr))
     else:
         qr = np.maximum(am, TINY) / QMAX
         x = x / qr
         if not cfg.quant_q:
-            qhat = operand(x)
+            qhat = operand(x, cfg)
         else:
             c1, s1 = formats.quantize_blocks(x, lsq)
             q1 = _fold(c1, s1)
@@ -147,41 +136,59 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
             else:
                 c2, s2 = formats.quantize_blocks(x - q1, lsq)
                 qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
-                qhat, qc, qs = operand(qsum), [c1, c2], [s1, s2]
-            if sm120:
+                qhat, qc, qs = operand(qsum, cfg), [c1, c2], [s1, s2]
+            if cfg.mma == "sm120":
                 fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
     sh = np.zeros(q16.shape[:2], F32)
-    for c in range(d):  # §5.3: sequential over channels
+    for c in range(q16.shape[2]):  # sequential over channels
         sh = sh + q16[:, :, c] * kmean[:, None, c]
+    return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul
 
-    # §5.4 K: [Hkv, T*64, d]
+
+def prep_k(kf: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
+    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero."""
     xk = (kf - kmean[None]) * (F32(1) / kg)[None, :, None]
     xk[S:] = 0
     xk = xk.transpose(1, 0, 2)
-    if cfg.quant_k:
-        ck, sk = formats.quantize_blocks(xk, lsq)
-        khat = _fold(ck, sk)
-        if sm120:
-            fp4.update(k_codes=ck, k_scales=sk)
-    else:
-        khat = operand(xk)
+    if not cfg.quant_k:
+        return np.ascontiguousarray(operand(xk, cfg), dtype=F32)
+    ck, sk = formats.quantize_blocks(xk, cfg.block_scale == "lsq")
+    if cfg.mma == "sm120":
+        fp4.update(k_codes=ck, k_scales=sk)
+    return np.ascontiguousarray(_fold(ck, sk), dtype=F32)
 
-    # §5.5 V^T per tile in slot order: [Hkv, T, d, 64]
-    slots = slot_keys(cfg.p_groups)
+
+def prep_v(vf: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
+    """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile, keys in slot order (§7.3)."""
+    T, d = vf.shape[0] // TILE, vf.shape[2]
     xv = vf * (F32(1) / vg)[None, :, None]
-    xv_t = xv.reshape(T, TILE, Hkv, d)[:, slots].transpose(2, 0, 3, 1)
-    if cfg.quant_v:
-        cv, sv = formats.quantize_blocks(np.ascontiguousarray(xv_t), lsq)
-        vhat_t = _fold(cv, sv)
-        if sm120:
-            fp4.update(v_codes_t=cv, v_scales_t=sv)
-    else:
-        vhat_t = operand(xv_t)
+    xv_t = xv.reshape(T, TILE, -1, d)[:, slot_keys(cfg.p_groups)].transpose(2, 0, 3, 1)
+    if not cfg.quant_v:
+        return np.ascontiguousarray(operand(xv_t, cfg), dtype=F32)
+    cv, sv = formats.quantize_blocks(np.ascontiguousarray(xv_t), cfg.block_scale == "lsq")
+    if cfg.mma == "sm120":
+        fp4.update(v_codes_t=cv, v_scales_t=sv)
+    return np.ascontiguousarray(_fold(cv, sv), dtype=F32)
 
+
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config) -> Prepared:
+    """Prep (§5) for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated."""
+    n, H, d = q.shape
+    S, Hkv, _ = k.shape
+    T = cdiv(S, TILE)
+    kf = np.zeros((T * TILE, Hkv, d), F32)
+    kf[:S] = k
+    vf = np.zeros((T * TILE, Hkv, d), F32)
+    vf[:S] = v
+    kmean, kg, vg = prep_stats(k, kf[:S], vf[:S])
+    qmul = cfg.qmul(d)
+    fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
+    q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
+    qhat, cq, sh = prep_q(q16, kmean, kg, qmul, cfg, fp4)
     return Prepared(
-        d=d, G=G, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
-        q16=q16, qhat=qhat.astype(F32), cq=qr[..., 0] * kg[:, None], sh=sh * qmul,
-        khat=np.ascontiguousarray(khat, dtype=F32), vhat_t=np.ascontiguousarray(vhat_t, dtype=F32),
+        d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
+        q16=q16, qhat=qhat, cq=cq, sh=sh,
+        khat=prep_k(kf, S, kmean, kg, cfg, fp4), vhat_t=prep_v(vf, vg, cfg, fp4),
         k16=np.ascontiguousarray(kf.transpose(1, 0, 2)),
         v16_t=np.ascontiguousarray(vf.reshape(T, TILE, Hkv, d).transpose(2, 0, 3, 1)),
         **fp4,
