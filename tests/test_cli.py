@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from apa_emu import Config
-from apa_emu.cli import main
-from apa_emu.dump import write_dump
-from apa_emu.study import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
-from apa_emu.synth import synthetic
+from apa_emu.study.cli import main
+from apa_emu.study.dump import write_dump
+from apa_emu.study.scan import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
+from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")
 

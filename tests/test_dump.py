@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from apa_emu.dump import Dump, DumpError, builtin_dump_path, read_dump, write_dump
+from apa_emu.study.dump import Dump, DumpError, builtin_dump_path, read_dump, write_dump
 
 GOOD = dict(n=3, kv=5, nh=4, nkv=2, hd=64, off=2)
 

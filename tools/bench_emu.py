@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apa_emu import Config, attention  # noqa: E402
 from apa_emu.api import _Runner, _warps  # noqa: E402
 from apa_emu.prep import prepare  # noqa: E402
-from apa_emu.synth import synthetic, synthetic_preset  # noqa: E402
+from apa_emu.study.synth import synthetic, synthetic_preset  # noqa: E402
 
 
 def peak_rss_gib() -> float:

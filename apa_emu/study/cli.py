@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .dump import DumpError, builtin_dump_path, read_dump
 
 EXIT_ERROR = 2
@@ -105,14 +105,14 @@ def _config(args) -> Config:
 
 
 def _pairs(args, dump):
-    from .study import Pairs
+    from .scan import Pairs
 
     return Pairs.select(dump.q.shape[0], dump.q.shape[1], _parse_list(args.rows, "--rows"),
                         _parse_list(args.heads, "--heads"))
 
 
 def cmd_scan(args):
-    from .study import run_pairs
+    from .scan import run_pairs
 
     dump, path = _load(args)
     cfg = _config(args)
@@ -127,7 +127,7 @@ def cmd_scan(args):
 
 
 def cmd_worst(args):
-    from .study import Pairs, worst
+    from .scan import Pairs, worst
 
     dump, path = _load(args)
     cfg = _config(args)
@@ -139,7 +139,7 @@ def cmd_worst(args):
 
 
 def cmd_pair(args):
-    from .study import pair
+    from .scan import pair
 
     dump, path = _load(args)
     cfg = _config(args)
@@ -192,7 +192,7 @@ def _plot_pair(info, out, title) -> str:
 
 
 def cmd_attribute(args):
-    from .study import attribute
+    from .scan import attribute
 
     dump, path = _load(args)
     cfg = _config(args)
@@ -206,7 +206,7 @@ def cmd_attribute(args):
 
 
 def cmd_sweep(args):
-    from .study import sweep
+    from .scan import sweep
 
     dump, path = _load(args)
     cfg = _config(args)
@@ -253,7 +253,7 @@ def cmd_synth(args):
 
 
 def cmd_smollm2(args):
-    from .llama import make_dumps
+    from .smollm2 import make_dumps
 
     text = Path(args.text).read_text() if args.text else None
     for p in make_dumps(text, args.layers, args.n, args.out_dir, args.max_tokens):

@@ -1,4 +1,4 @@
-"""Attention dumps in the seed bench's format (numerics.md §7.1), read memory-mapped and validated.
+"""Attention dumps in the seed bench's format (docs/dumps.md, "Format"), read memory-mapped and validated.
 
 Layout, all little-endian: six int32 ``n, kv, nh, nkv, hd, off``, then FP16 ``Q[n][nh][hd]``,
 ``K[kv][nkv][hd]``, ``V[kv][nkv][hd]``. Q row i is the query at position ``off + i``; the keys are
@@ -89,7 +89,7 @@ class Dump:
 
 
 def builtin_dump_path() -> Path:
-    """The real SmolLM2 dump shipped with the package (see apa_emu/data/README.md)."""
+    """The real SmolLM2 dump shipped with the package (see apa_emu/study/data/README.md)."""
     return Path(__file__).resolve().parent / "data" / BUILTIN_DUMP
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .api import ROWS, Result, attention, warp_of
-from .config import Config
-from .metrics import Summary, cosine_histogram, pair_metrics, summarize
-from .prep import TILE
-from .reference import reference_rows
+from ..api import ROWS, Result, attention, warp_of
+from ..config import Config
+from ..metrics import Summary, cosine_histogram, pair_metrics, summarize
+from ..prep import TILE
+from ..reference import reference_rows
 
 # apa attribute: which operands are quantized in each row of the seed's error-source table
 ATTRIBUTE_VARIANTS: dict[str, dict] = {
