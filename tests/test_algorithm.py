@@ -1,6 +1,6 @@
 """Algorithm properties of the emulator (numerics.md §5–§9), against float64 and against its own
 invariants. Inputs come from Hypothesis-drawn structure (sinks, diagonal mass, diffuse heads, channel
-offsets, outliers) built by ``apa_emu.synth`` from a drawn seed."""
+offsets, outliers) built by ``apa_emu.study.synth`` from a drawn seed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hyp import Seen, examples
 from apa_emu import Config, attention, fpmath, reference
 from apa_emu.merge import merge
 from apa_emu.metrics import pair_metrics
-from apa_emu.synth import synthetic
+from apa_emu.study.synth import synthetic
 
 ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
 

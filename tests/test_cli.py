@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from apa_emu import Config
-from apa_emu.cli import main
-from apa_emu.dump import write_dump
-from apa_emu.study import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
-from apa_emu.synth import synthetic
+from apa_emu.study.cli import main
+from apa_emu.study.dump import write_dump
+from apa_emu.study.scan import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
+from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")
 
@@ -58,9 +58,9 @@ def test_worst_pair_sweep(capsys, small_dump, tmp_path):
 
 def test_attribute_none_equals_unquantized_scan(small_dump):
     dump, _ = small_dump
-    pairs, table = attribute(dump, Config(), 5, variants={"none": ATTRIBUTE_VARIANTS["none"]})
-    unq = run_pairs(dump, Config(quant_q=False, quant_k=False, quant_p=False, quant_v=False), pairs)
-    assert table["none"]["cos"] == pytest.approx(unq.cos.tolist(), rel=1e-12, abs=0)
+    result = attribute(dump, Config(), 5, variants={"none": ATTRIBUTE_VARIANTS["none"]})
+    unq = run_pairs(dump, Config(quant_q=False, quant_k=False, quant_p=False, quant_v=False), result.pairs)
+    assert result.variants["none"].cos == pytest.approx(unq.cos.tolist(), rel=1e-12, abs=0)
 
 
 def test_attribute_cli(capsys, small_dump):

@@ -1,12 +1,16 @@
 """The dump reader and writer against files built byte by byte with struct, not with write_dump."""
 
+import errno
 import os
+import stat
 import struct
+import threading
 
 import numpy as np
 import pytest
 
-from apa_emu.dump import Dump, DumpError, builtin_dump_path, read_dump, write_dump
+from apa_emu.study.dump import Dump, DumpError, builtin_dump_path, read_dump, write_dump
+from apa_emu.study.files import write_atomically
 
 GOOD = dict(n=3, kv=5, nh=4, nkv=2, hd=64, off=2)
 
@@ -220,3 +224,88 @@ def test_builtin_dump():
         sink.append(p[:, 0].mean())
         diagonal.append(np.mean([p[i, pos - 63 : pos + 1].sum() for i, pos in enumerate(d.positions)]))
     assert max(sink) > 0.4 and max(diagonal) > 0.3
+
+
+def test_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "f.apadump"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def read():
+        try:
+            read_dump(fifo)
+        except DumpError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():  # blocked in open(): release it by opening the write end, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("read_dump blocked on a FIFO")
+    assert outcome == [f"{fifo}: cannot open: a FIFO, not a regular file: refusing to read it"]
+
+
+@pytest.mark.parametrize("special, kind", [("dir", "a directory"), ("/dev/null", "a character device")])
+def test_non_regular_files_are_refused(tmp_path, special, kind):
+    path = tmp_path if special == "dir" else special
+    with pytest.raises(DumpError, match=f"{kind}, not a regular file"):
+        read_dump(path)
+
+
+def test_write_goes_through_symlinks(tmp_path):
+    q, k, v = _arrays(3, 5, 4, 2, 64)
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "t.apadump"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    link = tmp_path / "link.apadump"
+    link.symlink_to(target)
+    write_dump(link, q, k, v, 2)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    np.testing.assert_array_equal(read_dump(target).q, q)
+    assert target.stat().st_mode & 0o777 == 0o640
+    dangling = tmp_path / "dangling.apadump"
+    dangling.symlink_to(tmp_path / "real" / "new.apadump")
+    write_dump(dangling, q, k, v, 2)
+    assert dangling.is_symlink() and read_dump(tmp_path / "real" / "new.apadump").n == 3
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["new.apadump", "t.apadump"]
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "link to fifo"])
+def test_write_refuses_non_regular_targets(tmp_path, kind):
+    q, k, v = _arrays(3, 5, 4, 2, 64)
+    special = tmp_path / "special"
+    if kind == "dir":
+        special.mkdir()
+    else:
+        os.mkfifo(special)
+    path = special
+    if kind == "link to fifo":
+        path = tmp_path / "link"
+        path.symlink_to(special)
+    with pytest.raises(OSError, match="not a regular file: refusing to replace it"):
+        write_dump(path, q, k, v, 2)
+    assert special.is_dir() if kind == "dir" else stat.S_ISFIFO(special.lstat().st_mode)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_failed_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "w.apadump"
+    path.write_bytes(b"old")
+
+    def write(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, write)
+
+    def full(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left") as e:
+        write_atomically(path, full)
+    assert e.value.filename == str(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.apadump"] and path.read_bytes() == b"old"

@@ -214,7 +214,7 @@ def _warp_rows(hk, w, n, G):
 
 def test_builtin_smollm2_dump():
     """The shipped SmolLM2 dump (d = 64, 9/3 heads), whole, output and trace."""
-    from apa_emu.dump import builtin_dump_path, read_dump
+    from apa_emu.study.dump import builtin_dump_path, read_dump
 
     dump = read_dump(builtin_dump_path())
     q, k, v = (np.ascontiguousarray(x) for x in (dump.q, dump.k, dump.v))
@@ -228,7 +228,7 @@ def test_synthetic_llama_32k():
     """A synthetic Llama-3.2-3B-shaped problem (24/8 heads, d = 128) at 32768 keys: the whole
     output on the GPU, the emulator on a sample of warps (every KV head, rows across the block),
     compared on those warps' rows and traces."""
-    from apa_emu.synth import synthetic_preset
+    from apa_emu.study.synth import synthetic_preset
 
     n, S = 512, 32768
     dump = synthetic_preset("llama-3.2-3b", n, S, seed=3)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from apa_emu.dump import read_dump
-from apa_emu.llama import _rope, _rope_tables, _unpermute_rope_rows, causal_attention
+from apa_emu.study.dump import read_dump
+from apa_emu.study.smollm2 import _rope, _rope_tables, _unpermute_rope_rows, causal_attention
 
 TEXT = (
     "The river rose through the night, and by morning the lower fields were under water. "
@@ -20,7 +20,7 @@ TEXT = (
 def model():
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
-    from apa_emu.llama import load_smollm2, smollm2_gguf_path
+    from apa_emu.study.smollm2 import load_smollm2, smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -79,7 +79,7 @@ def test_tokenizer(model):
 
 
 def test_perplexity_and_greedy_answer(model):
-    from apa_emu.llama import sample_text_path
+    from apa_emu.study.smollm2 import sample_text_path
 
     tokens = model.tokenize(sample_text_path().read_text(encoding="utf-8"))[:512]
     assert 10 < model.perplexity(tokens) < 40
@@ -88,7 +88,7 @@ def test_perplexity_and_greedy_answer(model):
 
 
 def test_make_dumps(model, tmp_path):
-    from apa_emu.llama import make_dumps
+    from apa_emu.study.smollm2 import make_dumps
 
     tokens = model.tokenize(TEXT)
     paths = make_dumps(
@@ -119,7 +119,7 @@ def test_make_dumps(model, tmp_path):
     ],
 )
 def test_make_dumps_rejects(model, tmp_path, kwargs, message):
-    from apa_emu.llama import make_dumps
+    from apa_emu.study.smollm2 import make_dumps
 
     args = dict(layers=[1], n_query=4, out_dir=tmp_path, max_tokens=64, model=model)
     args.update(kwargs)
@@ -136,7 +136,7 @@ def test_matches_transformers_gguf_loader(model):
     pytest.importorskip("accelerate")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from apa_emu.llama import sample_text_path, smollm2_gguf_path
+    from apa_emu.study.smollm2 import sample_text_path, smollm2_gguf_path
 
     path = smollm2_gguf_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -183,8 +183,8 @@ def test_matches_transformers_gguf_loader(model):
 @pytest.mark.slow
 def test_builtin_dump_reproduces(model, tmp_path):
     """The shipped dump is what the documented command writes (up to BLAS rounding, then FP16)."""
-    from apa_emu.dump import builtin_dump_path
-    from apa_emu.llama import make_dumps
+    from apa_emu.study.dump import builtin_dump_path
+    from apa_emu.study.smollm2 import make_dumps
 
     (path,) = make_dumps(None, layers=[14], n_query=512, out_dir=tmp_path, max_tokens=2048, model=model)
     fresh, shipped = read_dump(path), read_dump(builtin_dump_path())

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from apa_emu.dump import read_dump, write_dump
-from apa_emu.synth import PRESETS, synthetic, synthetic_preset
+from apa_emu.study.dump import read_dump, write_dump
+from apa_emu.study.synth import PRESETS, synthetic, synthetic_preset
 
 
 def _probs(d, h):

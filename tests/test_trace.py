@@ -4,7 +4,7 @@ import numpy as np
 
 from apa_emu import Config, attention
 from apa_emu import trace as tr
-from apa_emu.synth import synthetic
+from apa_emu.study.synth import synthetic
 
 
 def traced():

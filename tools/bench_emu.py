@@ -26,7 +26,7 @@ from apa_emu import Config, attention  # noqa: E402
 from apa_emu.api import _Runner  # noqa: E402
 from apa_emu.geometry import Shape  # noqa: E402
 from apa_emu.prep import prepare  # noqa: E402
-from apa_emu.synth import synthetic, synthetic_preset  # noqa: E402
+from apa_emu.study.synth import synthetic, synthetic_preset  # noqa: E402
 
 
 def peak_rss_gib() -> float:

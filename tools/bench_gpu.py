@@ -3,7 +3,7 @@
 For each key count: prep time and attention time (pass 1 + pass 2 + merge) of the bit-exact
 (``exp2=soft``) and fast (``exp2=fast``) builds, the hot share, and torch SDPA with the flash and
 cuDNN backends (lower-right causal, GQA) on the same inputs, all in one run. Inputs are the
-synthetic Llama-3.2-3B-shaped problems of ``apa_emu.synth`` (real-like: sink, RoPE locality,
+synthetic Llama-3.2-3B-shaped problems of ``apa_emu.study.synth`` (real-like: sink, RoPE locality,
 diffuse heads, channel offsets, outliers). Times are medians of ``--reps`` CUDA-event timings after
 warm-up. Prints a markdown table (and writes it to ``--out`` if given).
 
@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apa_emu.config import Config  # noqa: E402
-from apa_emu.synth import synthetic_preset  # noqa: E402
+from apa_emu.study.synth import synthetic_preset  # noqa: E402
 
 
 def _time_cupy(fn, reps, warmup=2):

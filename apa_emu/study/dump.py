@@ -1,4 +1,4 @@
-"""Attention dumps in the seed bench's format (numerics.md §7.1), read memory-mapped and validated.
+"""Attention dumps in the seed bench's format (docs/dumps.md, "Format"), read memory-mapped and validated.
 
 Layout, all little-endian: six int32 ``n, kv, nh, nkv, hd, off``, then FP16 ``Q[n][nh][hd]``,
 ``K[kv][nkv][hd]``, ``V[kv][nkv][hd]``. Q row i is the query at position ``off + i``; the keys are
@@ -8,11 +8,12 @@ positions ``0 .. kv-1``, so causal row i sees keys ``0 .. off+i``.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .files import open_regular, write_atomically
 
 HEADER_FIELDS = ("n", "kv", "nh", "nkv", "hd", "off")
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
@@ -89,7 +90,7 @@ class Dump:
 
 
 def builtin_dump_path() -> Path:
-    """The real SmolLM2 dump shipped with the package (see apa_emu/data/README.md)."""
+    """The real SmolLM2 dump shipped with the package (see apa_emu/study/data/README.md)."""
     return Path(__file__).resolve().parent / "data" / BUILTIN_DUMP
 
 
@@ -101,11 +102,49 @@ def read_dump(path: str | os.PathLike, check_finite: bool = True) -> Dump:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(HEADER_BYTES)
+            n, kv, nh, nkv, hd, off = _header_of(path, raw, size)
+            try:
+                payload = np.memmap(f, dtype="<f2", mode="r", offset=HEADER_BYTES)
+            except (OSError, ValueError) as e:
+                raise DumpError(f"{path}: cannot map {size} bytes: {e}") from e
     except OSError as e:
         raise DumpError(f"{path}: cannot open: {e.strerror or e}") from e
+    nq, nk = n * nh * hd, kv * nkv * hd
+    q = payload[:nq].reshape(n, nh, hd)
+    k = payload[nq : nq + nk].reshape(kv, nkv, hd)
+    v = payload[nq + nk :].reshape(kv, nkv, hd)
+    if check_finite:
+        for name, x in (("Q", q), ("K", k), ("V", v)):
+            _check_finite(x, name, where=str(path))
+    return Dump(q, k, v, off, path)
+
+
+def write_dump(path: str | os.PathLike, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int) -> Path:
+    """Write FP16 arrays as a dump with ``files.write_atomically``: readers see the old file or the
+    whole new one, symlinks are written through and anything but a regular file is refused.
+
+    The arrays must already be float16: a silent cast could round or overflow, which the caller
+    should decide about.
+    """
+    path = Path(path)
+    _check_arrays(q, k, v, q_offset)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_finite(x, name, where="write_dump")
+    header = np.array([q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], q_offset], dtype="<i4")
+
+    def write(f):
+        f.write(header.tobytes())
+        for x in (q, k, v):
+            f.write(np.ascontiguousarray(x, dtype="<f2"))  # the buffer itself: no second copy
+
+    return write_atomically(path, write)
+
+
+def _header_of(path: Path, raw: bytes, size: int) -> tuple[int, ...]:
+    """The six header fields, checked against each other and against the file size."""
     if size < HEADER_BYTES:
         raise DumpError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
     header = dict(zip(HEADER_FIELDS, (int(x) for x in np.frombuffer(raw, dtype="<i4")), strict=True))
@@ -119,42 +158,7 @@ def read_dump(path: str | os.PathLike, check_finite: bool = True) -> Dump:
         else:
             problem = f"{size - expected} trailing bytes"
         raise DumpError(f"{path}: {problem}: header {shape} needs {expected} bytes, the file has {size}")
-    payload = np.memmap(path, dtype="<f2", mode="r", offset=HEADER_BYTES)
-    nq, nk = n * nh * hd, kv * nkv * hd
-    q = payload[:nq].reshape(n, nh, hd)
-    k = payload[nq : nq + nk].reshape(kv, nkv, hd)
-    v = payload[nq + nk :].reshape(kv, nkv, hd)
-    if check_finite:
-        for name, x in (("Q", q), ("K", k), ("V", v)):
-            _check_finite(x, name, where=str(path))
-    return Dump(q, k, v, off, path)
-
-
-def write_dump(path: str | os.PathLike, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int) -> Path:
-    """Write FP16 arrays as a dump, atomically: readers see the old file or the whole new one.
-
-    The arrays must already be float16: a silent cast could round or overflow, which the caller
-    should decide about.
-    """
-    path = Path(path)
-    _check_arrays(q, k, v, q_offset)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_finite(x, name, where="write_dump")
-    header = np.array([q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], q_offset], dtype="<i4")
-    # A unique name opened exclusively, not mkstemp: the file gets the umask's permissions, not 0600.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(header.tobytes())
-            for x in (q, k, v):
-                f.write(np.ascontiguousarray(x, dtype="<f2"))  # the buffer itself: no second copy
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return n, kv, nh, nkv, hd, off
 
 
 def _file_size(n: int, kv: int, nh: int, nkv: int, hd: int) -> int:

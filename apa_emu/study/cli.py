@@ -1,21 +1,20 @@
 """The ``apa`` command: studies on attention dumps (scan, worst, pair, attribute, sweep) and dump makers.
 
-Tables for people (rich), ``--json`` for scripts, a progress bar on long runs, one clear line and a
-non-zero exit on any error.
+Argument parsing and dispatch; ``scan`` computes, ``report`` prints tables or JSON, ``plots`` draws.
+One clear line and a non-zero exit on any error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .dump import DumpError, builtin_dump_path, read_dump
+from .report import emit, progress_bar, table
 
 EXIT_ERROR = 2
 
@@ -33,64 +32,6 @@ def _parse_list(text: str | None, what: str):
         raise ValueError(f"{what} {text!r}: expected A:B, a comma list or one integer") from None
 
 
-@contextmanager
-def _progress(enabled: bool, label: str):
-    """A rich progress bar driven by the emulator's ``progress(done, total)`` callback."""
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(label, total=None)
-
-        def update(done, total):
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
-def _table(title, columns, rows):
-    from rich.table import Table
-
-    t = Table(title=title)
-    for c in columns:
-        t.add_column(c, justify="right" if c not in ("variant", "metric", "bin") else "left")
-    for r in rows:
-        t.add_row(*[_fmt(x) for x in r])
-    return t
-
-
-def _fmt(x) -> str:
-    if isinstance(x, (float, np.floating)):
-        return f"{x:.6g}"
-    return str(x)
-
-
-def _emit(args, payload: dict, tables):
-    if args.json:
-        json.dump(payload, sys.stdout, indent=1, default=_jsonable)
-        sys.stdout.write("\n")
-        return
-    from rich.console import Console
-
-    console = Console()
-    if not console.is_terminal:  # piped or captured: no terminal width to respect, keep numbers whole
-        console = Console(width=200)
-    for t in tables:
-        console.print(t)
-
-
-def _jsonable(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x).__name__)
-
-
 def _load(args):
     path = Path(args.dump) if args.dump else builtin_dump_path()
     return read_dump(path), path
@@ -105,142 +46,96 @@ def _config(args) -> Config:
 
 
 def _pairs(args, dump):
-    from .study import Pairs
+    from .scan import Pairs
 
     return Pairs.select(dump.q.shape[0], dump.q.shape[1], _parse_list(args.rows, "--rows"),
                         _parse_list(args.heads, "--heads"))
 
 
 def cmd_scan(args):
-    from .study import run_pairs
+    from .scan import run_pairs
 
     dump, path = _load(args)
     cfg = _config(args)
     pairs = _pairs(args, dump)
-    with _progress(not args.json, f"scan {path.name}") as prog:
+    with progress_bar(not args.json, f"scan {path.name}") as prog:
         scan = run_pairs(dump, cfg, pairs, workers=args.workers, progress=prog)
     s = scan.summary.as_dict()
     payload = dict(dump=str(path), config=cfg.__dict__, summary=s, histogram=scan.histogram)
     rows = [(k, v) for k, v in s.items()]
-    _emit(args, payload, [_table(f"apa scan {path.name} (eps={cfg.eps})", ["metric", "value"], rows),
-                          _table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
+    emit(args.json, payload, [table(f"apa scan {path.name} (eps={cfg.eps})", ["metric", "value"], rows),
+                              table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
 
 
 def cmd_worst(args):
-    from .study import Pairs, worst
+    from .scan import worst
 
     dump, path = _load(args)
     cfg = _config(args)
-    with _progress(not args.json, f"worst {path.name}") as prog:
+    with progress_bar(not args.json, f"worst {path.name}") as prog:
         scan, diags = worst(dump, cfg, args.n, pairs=_pairs(args, dump), workers=args.workers, progress=prog)
+    records = [d.to_json() for d in diags]
     cols = ["row", "head", "cos", "rel_l2", "hot_tiles", "tiles", "cold_mass_fp4", "cold_mass_f64", "cold_out_rel"]
-    _emit(args, dict(dump=str(path), config=cfg.__dict__, worst=diags),
-          [_table(f"apa worst {path.name}: {len(diags)} lowest-cosine pairs", cols, [[d[c] for c in cols] for d in diags])])
+    emit(args.json, dict(dump=str(path), config=cfg.__dict__, worst=records),
+         [table(f"apa worst {path.name}: {len(diags)} lowest-cosine pairs", cols, [[r[c] for c in cols] for r in records])])
 
 
 def cmd_pair(args):
-    from .study import pair
+    from .plots import plot_pair
+    from .scan import pair
 
     dump, path = _load(args)
     cfg = _config(args)
     info = pair(dump, cfg, args.row, args.head)
-    d = info["diag"]
+    d = info.diag
     summary = [
-        ("cosine", d["cos"]), ("relative L2", d["rel_l2"]),
-        ("top tile / its mass", f"{info['top_tile']} / {info['top_tile_mass']:.6f}"),
-        ("hot tiles / tiles", f"{d['hot_tiles']} / {d['tiles']}"), ("hot mass (float64)", info["hot_mass"]),
-        ("cold mass FP4 estimate / float64", f"{d['cold_mass_fp4']:.6f} / {d['cold_mass_f64']:.6f}"),
-        ("|ref|", info["ref_norm"]), ("|hot part of ref|", info["hot_norm"]), ("|cold part of ref|", info["cold_norm"]),
-        ("|out|", info["out_norm"]),
+        ("cosine", d.cos), ("relative L2", d.rel_l2),
+        ("top tile / its mass", f"{info.top_tile} / {info.top_tile_mass:.6f}"),
+        ("hot tiles / tiles", f"{d.hot_tiles} / {d.tiles}"), ("hot mass (float64)", info.hot_mass),
+        ("cold mass FP4 estimate / float64", f"{d.cold_mass_fp4:.6f} / {d.cold_mass_f64:.6f}"),
+        ("|ref|", info.ref_norm), ("|hot part of ref|", info.hot_norm), ("|cold part of ref|", info.cold_norm),
+        ("|out|", info.out_norm),
     ]
     visit_cols = ["visit", "tile", "hot", "c", "m", "tl", "la", "lc"]
     png = None
     if args.plot:
-        png = _plot_pair(info, args.plot, f"{path.name} row {args.row} head {args.head}")
-    payload = dict(dump=str(path), row=args.row, head=args.head, diag=d, hot_tiles=info["hot_list"],
-                   top_tile=info["top_tile"], hot_mass=info["hot_mass"], ref_norm=info["ref_norm"],
-                   hot_norm=info["hot_norm"], cold_norm=info["cold_norm"], out_norm=info["out_norm"],
-                   tile_mass=info["mass"], visits=info["visits"], plot=png)
-    _emit(args, payload, [_table(f"apa pair {path.name} row {args.row} head {args.head}", ["metric", "value"], summary),
-                          _table("pass-1 trace of its warp (this row)", visit_cols,
-                                 [[v[c] for c in visit_cols] for v in info["visits"]])])
+        png = plot_pair(info, args.plot, f"{path.name} row {args.row} head {args.head}")
+    payload = dict(dump=str(path), row=args.row, head=args.head, **info.to_json(), plot=png)
+    emit(args.json, payload, [table(f"apa pair {path.name} row {args.row} head {args.head}", ["metric", "value"], summary),
+                              table("pass-1 trace of its warp (this row)", visit_cols,
+                                    [[getattr(v, c) for c in visit_cols] for v in info.visits])])
     if png and not args.json:
         print(f"plot: {png}")
-
-
-def _plot_pair(info, out, title) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = np.arange(info["mass"].size)
-    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    colors = np.where(info["hot"], "tab:red", "tab:blue")
-    a.bar(t, info["mass"], color=colors)
-    a.set_yscale("log")
-    a.set_ylabel("tile mass (float64)")
-    a.set_title(f"{title}: red = hot (pass 2), blue = cold (FP4)")
-    b.bar(t, info["contrib_norm"], color=colors)
-    b.set_yscale("log")
-    b.set_ylabel("|Σ p·v| of the tile")
-    b.set_xlabel("tile")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
 
 
 def cmd_attribute(args):
-    from .study import attribute
+    from .scan import attribute
 
     dump, path = _load(args)
     cfg = _config(args)
-    with _progress(not args.json, f"attribute {path.name}") as prog:
-        pairs, table = attribute(dump, cfg, args.worst, workers=args.workers, progress=prog)
-    rows = [(name, r["mean_cos"], r["min_cos"]) for name, r in table.items()]
-    _emit(args, dict(dump=str(path), config=cfg.__dict__, worst=args.worst, pairs=list(zip(pairs.rows, pairs.heads)),
-                     variants=table),
-          [_table(f"apa attribute {path.name}: mean cosine of the {args.worst} worst pairs",
-                  ["variant", "mean_cos", "min_cos"], rows)])
+    with progress_bar(not args.json, f"attribute {path.name}") as prog:
+        result = attribute(dump, cfg, args.worst, workers=args.workers, progress=prog)
+    rows = [(name, r.mean_cos, r.min_cos) for name, r in result.variants.items()]
+    emit(args.json, dict(dump=str(path), config=cfg.__dict__, worst=args.worst, **result.to_json()),
+         [table(f"apa attribute {path.name}: mean cosine of the {args.worst} worst pairs",
+                ["variant", "mean_cos", "min_cos"], rows)])
 
 
 def cmd_sweep(args):
-    from .study import sweep
+    from .plots import plot_sweep
+    from .scan import sweep
 
     dump, path = _load(args)
     cfg = _config(args)
-    with _progress(not args.json, f"sweep {path.name}") as prog:
+    with progress_bar(not args.json, f"sweep {path.name}") as prog:
         rows = sweep(dump, cfg, args.eps, pairs=_pairs(args, dump), workers=args.workers, progress=prog)
-    png = _plot_sweep(rows, args.plot, path.name) if args.plot else None
+    png = plot_sweep(rows, args.plot, path.name) if args.plot else None
+    records = [r.to_json() for r in rows]
     cols = ["eps", "hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_9"]
-    _emit(args, dict(dump=str(path), sweep=rows, plot=png),
-          [_table(f"apa sweep {path.name}", cols, [[r[c] for c in cols] for r in rows])])
+    emit(args.json, dict(dump=str(path), sweep=records, plot=png),
+         [table(f"apa sweep {path.name}", cols, [[r[c] for c in cols] for r in records])])
     if png and not args.json:
         print(f"plot: {png}")
-
-
-def _plot_sweep(rows, out, name) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    eps = [max(r["eps"], 1e-9) for r in rows]
-    fig, a = plt.subplots(figsize=(7, 4))
-    a.plot(eps, [r["hot_share"] for r in rows], "o-", label="hot share")
-    a.set_xscale("log")
-    a.set_xlabel("ε")
-    a.set_ylabel("hot share")
-    b = a.twinx()
-    b.plot(eps, [r["min_cos"] for r in rows], "s--", color="tab:red", label="min cosine")
-    b.set_ylabel("min cosine")
-    a.set_title(f"apa sweep {name}")
-    fig.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
 
 
 def cmd_synth(args):
@@ -253,7 +148,7 @@ def cmd_synth(args):
 
 
 def cmd_smollm2(args):
-    from .llama import make_dumps
+    from .smollm2 import make_dumps
 
     text = Path(args.text).read_text() if args.text else None
     for p in make_dumps(text, args.layers, args.n, args.out_dir, args.max_tokens):
