@@ -14,7 +14,7 @@ from .geometry import HEAD_DIMS, ROWS, Shape, WarpRows, visit_order
 from .merge import merge
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
-from .prep import Prepared, prepare, slot_keys, unpack_rows
+from .prep import Prepared, prep_bytes, prepare, slot_keys, unpack_rows
 
 F32 = np.float32
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
@@ -103,6 +103,25 @@ def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(shape: Shape) -> None:
+    """Refuse up front, naming the need, a call whose prep of one KV head cannot fit in memory."""
+    need, have = prep_bytes(shape.S, shape.d), _available_bytes()
+    if have is not None and need > have:
+        raise MemoryError(f"apa_emu: prep of one KV head of {shape.S} keys (d = {shape.d}) needs about "
+                          f"{need / 2**30:.1f} GiB; {have / 2**30:.1f} GiB of memory is available")
 
 
 @dataclass
@@ -247,6 +266,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     workers = _check_count("workers", workers)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable progress(done, total) or None, got {progress!r}")
+    _check_memory(shape)
     G, nw = shape.G, shape.nw
     chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
     groups = [(b, hk) for b in range(B) for hk in range(shape.Hkv)

@@ -233,11 +233,21 @@ def quantize_blocks(x, lsq=True):
     return codes.reshape(*lead, n), scales.reshape(*lead, n // 16)
 
 
+@njit(cache=True)
+def _dequantize_rows(codes, scales, out):
+    for r in range(codes.shape[0]):
+        for i in range(codes.shape[1]):
+            out[r, i] = E2M1_VALUES[codes[r, i] & 0xF] * _UE4M3_VALUES[scales[r, i // 16] & 0x7F]
+
+
 def dequantize_blocks(codes, scales):
-    """e2m1(code)·dec(sb) per element as float32 (numerics.md §4.4); exact (numerics.md §4.5)."""
-    codes = np.asarray(codes, dtype=np.uint8)
-    scales = np.asarray(scales, dtype=np.uint8)
+    """e2m1(code)·dec(sb) per element as float32 (numerics.md §4.4); exact (numerics.md §4.5).
+    Written element by element into the result, so a long K or V needs no full-size temporaries."""
+    codes = np.ascontiguousarray(codes, dtype=np.uint8)
+    scales = np.ascontiguousarray(scales, dtype=np.uint8)
     if codes.shape[:-1] != scales.shape[:-1] or codes.shape[-1] != 16 * scales.shape[-1]:
         raise ValueError(f"dequantize_blocks: codes {codes.shape} do not match scales {scales.shape}")
-    dec = np.repeat(_UE4M3_VALUES[scales & 0x7F], 16, axis=-1)
-    return E2M1_VALUES[codes & 0xF] * dec
+    out = np.empty(codes.shape, np.float32)
+    n = codes.shape[-1] if codes.ndim else 0
+    _dequantize_rows(codes.reshape(-1, n), scales.reshape(-1, n // 16), out.reshape(-1, n))
+    return out

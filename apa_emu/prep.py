@@ -106,11 +106,13 @@ def operand(x: np.ndarray, cfg: Config) -> np.ndarray:
     return x if cfg.mma == "exact" else _f16(x)
 
 
-def prep_stats(k: np.ndarray, kf: np.ndarray, vf: np.ndarray):
-    """§5.1–5.2 per KV head: the exact K mean and the head scales kg, vg (kf, vf hold the S keys)."""
+def prep_stats(k: np.ndarray, v: np.ndarray):
+    """§5.1–5.2 per KV head, from the FP16 keys and values [S, Hkv, d]: the exact K mean and the head
+    scales kg, vg (maxima of FP16 magnitudes are exact in FP16)."""
     kmean = kmean_exact(k)  # [Hkv, d]
-    kg = head_scale(np.abs(kf).max(axis=(0, 2)) + np.abs(kmean).max(axis=1))
-    vg = head_scale(np.abs(vf).max(axis=(0, 2)))
+    amax = lambda x: np.abs(x).max(axis=(0, 2)).astype(F32)  # noqa: E731
+    kg = head_scale(amax(k) + np.abs(kmean).max(axis=1))
+    vg = head_scale(amax(v))
     return kmean, kg, vg
 
 
@@ -145,30 +147,38 @@ def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32,
     return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul
 
 
-def prep_k(kf: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
+def prep_k(k16: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
     """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero."""
-    xk = (kf - kmean[None]) * (F32(1) / kg)[None, :, None]
-    xk[S:] = 0
-    xk = xk.transpose(1, 0, 2)
+    xk = k16 - kmean[:, None]
+    xk *= (F32(1) / kg)[:, None, None]
+    xk[:, S:] = 0
     if not cfg.quant_k:
         return np.ascontiguousarray(operand(xk, cfg), dtype=F32)
     ck, sk = formats.quantize_blocks(xk, cfg.block_scale == "lsq")
+    del xk
     if cfg.mma == "sm120":
         fp4.update(k_codes=ck, k_scales=sk)
-    return np.ascontiguousarray(_fold(ck, sk), dtype=F32)
+    return _fold(ck, sk)
 
 
-def prep_v(vf: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
+def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
     """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile, keys in slot order (§7.3)."""
-    T, d = vf.shape[0] // TILE, vf.shape[2]
-    xv = vf * (F32(1) / vg)[None, :, None]
-    xv_t = xv.reshape(T, TILE, -1, d)[:, slot_keys(cfg.p_groups)].transpose(2, 0, 3, 1)
+    xv_t = v16_t[..., slot_keys(cfg.p_groups)]
+    xv_t *= (F32(1) / vg)[:, None, None, None]
     if not cfg.quant_v:
         return np.ascontiguousarray(operand(xv_t, cfg), dtype=F32)
-    cv, sv = formats.quantize_blocks(np.ascontiguousarray(xv_t), cfg.block_scale == "lsq")
+    cv, sv = formats.quantize_blocks(xv_t, cfg.block_scale == "lsq")
+    del xv_t
     if cfg.mma == "sm120":
         fp4.update(v_codes_t=cv, v_scales_t=sv)
-    return np.ascontiguousarray(_fold(cv, sv), dtype=F32)
+    return _fold(cv, sv)
+
+
+def prep_bytes(S: int, d: int) -> int:
+    """Bytes prep holds for one KV head of S keys: K and Vᵀ widened to binary32 for pass 2, the two
+    pass-1 images, and the codes of the operand being quantized (measured peak: about 15 per key
+    and channel, against 4 for the FP16 K and V themselves)."""
+    return cdiv(S, TILE) * TILE * d * (4 * 4 + 1)
 
 
 def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config) -> Prepared:
@@ -176,11 +186,14 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     T = cdiv(S, TILE)
-    kf = np.zeros((T * TILE, Hkv, d), F32)
-    kf[:S] = k
-    vf = np.zeros((T * TILE, Hkv, d), F32)
-    vf[:S] = v
-    kmean, kg, vg = prep_stats(k, kf[:S], vf[:S])
+    kmean, kg, vg = prep_stats(k, v)
+    # pass 2's operands, built straight in their layouts: K [Hkv, T*64, d], Vᵀ per tile [Hkv, T, d, 64]
+    k16 = np.zeros((Hkv, T * TILE, d), F32)
+    k16[:, :S] = k.transpose(1, 0, 2)
+    v16_t = np.zeros((Hkv, T, d, TILE), F32)
+    for t in range(T):  # tile by tile, so no full-size temporary of V
+        keys = v[TILE * t:TILE * (t + 1)]
+        v16_t[:, t, :, :keys.shape[0]] = keys.transpose(1, 2, 0)
     qmul = cfg.qmul(d)
     fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
@@ -188,8 +201,6 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
         q16=q16, qhat=qhat, cq=cq, sh=sh,
-        khat=prep_k(kf, S, kmean, kg, cfg, fp4), vhat_t=prep_v(vf, vg, cfg, fp4),
-        k16=np.ascontiguousarray(kf.transpose(1, 0, 2)),
-        v16_t=np.ascontiguousarray(vf.reshape(T, TILE, Hkv, d).transpose(2, 0, 3, 1)),
-        **fp4,
+        khat=prep_k(k16, S, kmean, kg, cfg, fp4), vhat_t=prep_v(v16_t, vg, cfg, fp4),
+        k16=k16, v16_t=v16_t, **fp4,
     )

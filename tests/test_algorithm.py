@@ -382,3 +382,49 @@ def test_fp16_output_overflow_is_reproduced_not_hidden():
     f32 = attention(q, k, v, off, Config(eps=-1.0, p2_accum="f32"))
     assert not np.isfinite(f16.out).any() and np.isinf(f16.rows["o2"]).any()
     assert np.all(f32.out == 8)
+
+
+def test_prep_too_large_for_memory_is_refused_up_front(monkeypatch):
+    """A KV head whose prep cannot fit is refused before any work, naming the need."""
+    import apa_emu.api as api
+
+    dump = synthetic(16, 4096, 1, 1, 64, seed=3)
+    monkeypatch.setattr(api, "_available_bytes", lambda: 2**20)
+    with pytest.raises(MemoryError, match=r"4096 keys \(d = 64\) needs about 0\.0 GiB; 0\.0 GiB"):
+        attention(dump.q, dump.k, dump.v, dump.q_offset)
+    monkeypatch.setattr(api, "_available_bytes", lambda: 2**40)
+    assert attention(dump.q, dump.k, dump.v, dump.q_offset).out.shape == dump.q.shape
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(warps=[(0, 0, 9)]), r"warps: warp \(0, 0, 9\) does not exist"),
+    (dict(trace=[(0, 1, 0)]), r"trace: warp \(0, 1, 0\) does not exist"),
+    (dict(workers=0), "workers: expected a positive integer"),
+    (dict(workers="2"), "workers: expected a positive integer"),
+    (dict(progress=42), "progress: expected a callable"),
+])
+def test_bad_call_arguments_raise(kwargs, match):
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, 0, **kwargs)
+
+
+def test_q_offset_past_int32_and_byte_swapped_inputs():
+    q, k, v = _ok()
+    with pytest.raises(ValueError, match="q_offset: .* past 2147483647"):
+        attention(q, k, v, 2**63)
+    swapped = [x.astype(">f2") for x in (q, k, v)]
+    assert np.array_equal(attention(*swapped, 0).out.view(np.uint16), attention(q, k, v, 0).out.view(np.uint16))
+
+
+@pytest.mark.parametrize("bad", [dict(scale="abc"), dict(eps=1e39), dict(delta=1e39), dict(eps=True)])
+def test_bad_config_values_name_the_field(bad):
+    with pytest.raises(ValueError, match=f"config.{next(iter(bad))}"):
+        Config(**bad)
+
+
+@pytest.mark.parametrize("item, match", [("tau=abc", "tau expects an integer"), ("eps=x", "eps expects a number"),
+                                         ("quant_q=maybe", "quant_q expects on/off")])
+def test_config_overrides_name_the_key(item, match):
+    with pytest.raises(ValueError, match=match):
+        Config.from_overrides([item])
