@@ -49,14 +49,6 @@ class Prepared:
     v_codes_t: np.ndarray | None = None  # [Hkv, T, d, 64]
     v_scales_t: np.ndarray | None = None  # [Hkv, T, d, 4]
 
-    @property
-    def R(self) -> int:
-        return self.n * self.G
-
-    @property
-    def ntiles(self) -> int:
-        return cdiv(self.S, TILE)
-
 
 def slot_keys(p_groups: str) -> np.ndarray:
     """Key (within a tile) held by each of the 64 slots; group g is slots 16g..16g+15 (§7.3)."""
@@ -147,31 +139,30 @@ def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32,
     return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul
 
 
+def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_name: str, scales_name: str):
+    """A pass-1 K or V image: quant16 per 16 values of the last axis, folded to values (§4.4–4.5; `sm120`
+    keeps the codes and scales too), or the unquantized operand (§5.6)."""
+    if not quant:
+        return np.ascontiguousarray(operand(x, cfg), dtype=F32)
+    codes, scales = formats.quantize_blocks(x, cfg.block_scale == "lsq")
+    if cfg.mma == "sm120":
+        fp4.update({codes_name: codes, scales_name: scales})
+    return _fold(codes, scales)
+
+
 def prep_k(k16: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
     """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero."""
     xk = k16 - kmean[:, None]
     xk *= (F32(1) / kg)[:, None, None]
     xk[:, S:] = 0
-    if not cfg.quant_k:
-        return np.ascontiguousarray(operand(xk, cfg), dtype=F32)
-    ck, sk = formats.quantize_blocks(xk, cfg.block_scale == "lsq")
-    del xk
-    if cfg.mma == "sm120":
-        fp4.update(k_codes=ck, k_scales=sk)
-    return _fold(ck, sk)
+    return _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
 
 
 def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
     """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile, keys in slot order (§7.3)."""
     xv_t = v16_t[..., slot_keys(cfg.p_groups)]
     xv_t *= (F32(1) / vg)[:, None, None, None]
-    if not cfg.quant_v:
-        return np.ascontiguousarray(operand(xv_t, cfg), dtype=F32)
-    cv, sv = formats.quantize_blocks(xv_t, cfg.block_scale == "lsq")
-    del xv_t
-    if cfg.mma == "sm120":
-        fp4.update(v_codes_t=cv, v_scales_t=sv)
-    return _fold(cv, sv)
+    return _pass1_operand(xv_t, cfg.quant_v, cfg, fp4, "v_codes_t", "v_scales_t")
 
 
 def prep_bytes(S: int, d: int) -> int:
