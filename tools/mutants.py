@@ -1,0 +1,140 @@
+"""Plant realistic bugs one at a time and check that the CPU test suite kills each (no GPU needed).
+
+    python tools/mutants.py                 # every mutant, its tests, a table at the end
+    python tools/mutants.py M04 K2          # some of them
+    python tools/mutants.py --list
+
+Each mutant is one textual replacement in one source file (the replaced text must occur exactly once,
+so a refactor that moves it fails loudly instead of testing nothing). The file is restored after each
+run, also on Ctrl-C. Emulator edits need no cache clearing: the Numba cache is keyed on the sources
+(apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
+The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
+K1–K5 in the kernel; M14 is equivalent by construction and listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+ALG = ("tests/test_algorithm.py", "tests/test_gpu_sim.py", "tests/test_cli.py")
+FMT = ("tests/test_formats.py", "tests/test_fpmath.py", "tests/test_thresholds.py")
+SIM = ("tests/test_gpu_sim.py", "tests/test_thresholds.py")
+
+
+class Mutant(NamedTuple):
+    id: str
+    what: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...] = ALG
+    equivalent: bool = False
+
+
+MUTANTS = [
+    Mutant("M01", "E2M1 RNE → round half up", "apa_emu/formats.py",
+           "    if ax <= _T025:\n        m = 0", "    if ax < _T025:\n        m = 0", FMT + ALG),
+    Mutant("M02", "quant16 search drops the last candidate", "apa_emu/formats.py",
+           "        for k in range(8):\n            c = c0", "        for k in range(7):\n            c = c0", FMT + ALG),
+    Mutant("M03", "τ vote uses τ + 1", "apa_emu/pass1.py",
+           "mx[r] > m[r] + tau:", "mx[r] > m[r] + tau + np.float32(1):"),
+    Mutant("M04", "hot test > → >=", "apa_emu/pass1.py",
+           "if tl2[r, 0] > eps * (st.la[r] * a + tl2[r, 0]):", "if tl2[r, 0] >= eps * (st.la[r] * a + tl2[r, 0]):"),
+    Mutant("M05", "δ with the wrong sign", "apa_emu/pass1.py", "c[r] - k.delta", "c[r] + k.delta"),
+    Mutant("M06", "merge: cold part not rescaled (w1 = 1)", "apa_emu/merge.py",
+           "w1 = np.where(l1 > 0, fpmath.exp2_np(np.where(l1 > 0, m1 - big, F32(0)), soft), F32(0))",
+           "w1 = np.where(l1 > 0, F32(1), F32(0))"),
+    Mutant("M07", "UE4M3 P-scale mantissa floor instead of ceil", "apa_emu/pass1.py",
+           "int(np.ceil((e - np.float32(1)) * np.float32(8)))", "int(np.floor((e - np.float32(1)) * np.float32(8)))"),
+    Mutant("M08", "pass-2 l2 summed sequentially", "apa_emu/pass2.py",
+           "(l4[r, 0] + l4[r, 1]) + (l4[r, 2] + l4[r, 3])", "((l4[r, 0] + l4[r, 1]) + l4[r, 2]) + l4[r, 3]"),
+    Mutant("M09", "f16r flushes FP16 subnormals", "apa_emu/fpmath.py",
+           "    if ax < _F16_MIN_NORMAL:\n        quantum = 2.0**-24",
+           "    if ax < _F16_MIN_NORMAL:\n        return np.float32(math.copysign(0.0, xd))", FMT + ALG),
+    Mutant("M10", "two-term Q: f16(Q1 + Q2) dropped", "apa_emu/prep.py",
+           "qhat, qc, qs = operand(qsum, cfg), [c1, c2], [s1, s2]", "qhat, qc, qs = qsum, [c1, c2], [s1, s2]"),
+    Mutant("M11", "exp2s C6 + 1 ulp", "apa_emu/fpmath.py", "0x39212C6C]", "0x39212C6D]", FMT + ALG),
+    Mutant("M12", "diagonal order reversed", "apa_emu/geometry.py",
+           "return np.array([0, *range(last_tile, 0, -1)], dtype=np.int64)",
+           "return np.arange(last_tile + 1, dtype=np.int64)"),
+    Mutant("M13", "GQA row position off by one", "apa_emu/geometry.py",
+           "self.q_offset + r // self.G", "self.q_offset + (r + 1) // self.G"),
+    Mutant("M14", "pack_rows head map g·Hkv + hk", "apa_emu/prep.py",
+           "q.reshape(n, Hkv, G, d).transpose(1, 0, 2, 3)", "q.reshape(n, G, Hkv, d).transpose(2, 0, 1, 3)",
+           equivalent=True),
+    Mutant("M15", "pass-2 FP16 O rescaled by a, not f16(a)", "apa_emu/pass2.py", "ah = f16r(a)", "ah = a"),
+    Mutant("M16", "K mean by a float32 mean", "apa_emu/prep.py",
+           "    kmean = kmean_exact(k)  # [Hkv, d]", "    kmean = k.astype(F32).mean(axis=0)"),
+    Mutant("M17", "interleaved P groups: t div 8", "apa_emu/prep.py",
+           "g = 2 * (t // 32) + (t // 4) % 2", "g = 2 * (t // 32) + (t // 8) % 2"),
+    Mutant("M18", "pow2 P scale: bias by floor(u)", "apa_emu/pass1.py",
+           "return 8 * (int(cu) + 7), (k.L - c) - cu", "return 8 * (int(cu) + 7), (k.L - c) - fl"),
+    Mutant("M19", "GQA: KV head hk gets query heads hk, hk + Hkv, …", "apa_emu/api.py",
+           "heads = slice(hk * G, (hk + 1) * G)", "heads = slice(hk, None, shape.Hkv)"),
+    Mutant("M20", "sm120 row-sum ones with scale 0x30", "apa_emu/pass1.py",
+           "np.uint8(2), np.uint8(0x38)", "np.uint8(2), np.uint8(0x30)"),
+    Mutant("K1", "kernel P' threshold T3 + 1 ulp", "cuda/formats.cuh",
+           "#define APA_E2M1_EXP2S_T3 0x3F4EAECEu", "#define APA_E2M1_EXP2S_T3 0x3F4EAECFu", SIM),
+    Mutant("K2", "kernel hot test > → >=", "cuda/pass1.cuh",
+           "wr.v_lo && tl_lo > fmul(", "wr.v_lo && tl_lo >= fmul(", SIM),
+    Mutant("K3", "kernel merge denominator drops w2", "cuda/merge.cuh",
+           "fdiv(1.0f, fadd(fmul(w1, l1), fmul(w2, l2)))", "fdiv(1.0f, fmul(w1, l1))", SIM),
+    Mutant("K4", "kernel pass-2 row sum (l4 + p0) + p1", "cuda/pass2.cuh",
+           "st.l4_lo = fadd(st.l4_lo, fadd(p0, p1));", "st.l4_lo = fadd(fadd(st.l4_lo, p0), p1);", SIM),
+    Mutant("K5", "kernel merge: cold part not rescaled (w1 = 1)", "cuda/merge.cuh",
+           "(l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f", "(l1 > 0.0f) ? 1.0f : 0.0f", SIM),
+]
+
+
+def run(m: Mutant) -> tuple[str, float, str]:
+    path = ROOT / m.file
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return "STALE", 0.0, f"the text to replace occurs {original.count(m.old)} times in {m.file}"
+    path.write_text(original.replace(m.old, m.new))
+    t0 = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                           cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    failed = [line.split(" - ")[0].removeprefix("FAILED ") for line in r.stdout.splitlines()
+              if line.startswith("FAILED")]
+    verdict = "killed" if r.returncode != 0 else ("equivalent" if m.equivalent else "SURVIVED")
+    return verdict, time.time() - t0, ", ".join(failed) or r.stdout.strip().splitlines()[-1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ids", nargs="*", help="mutant ids (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.ids or m.id in args.ids]
+    unknown = set(args.ids) - {m.id for m in MUTANTS}
+    if unknown:
+        ap.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:4s} {m.file:22s} {m.what}")
+        return 0
+    rows = []
+    for m in chosen:
+        verdict, secs, detail = run(m)
+        rows.append((m, verdict, secs, detail))
+        print(f"{m.id:4s} {verdict:10s} {secs:5.0f} s  {m.what}: {detail}", flush=True)
+    print("\n| mutant | what | file | verdict | tests that failed |\n|---|---|---|---|---|")
+    for m, verdict, _, detail in rows:
+        print(f"| {m.id} | {m.what} | {m.file} | {verdict} | {detail if verdict == 'killed' else ''} |")
+    bad = [m.id for m, v, _, _ in rows if v in ("SURVIVED", "STALE")]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} killed or equivalent" + (f"; not: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
