@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -34,10 +35,16 @@ def test_scan_builtin_subset(capsys):
 
 
 def test_scan_table_and_exact_config(capsys, small_dump):
-    _, path = small_dump
+    dump, path = small_dump
     assert main(["scan", path, "--config", "mma=exact", "quant_p=off"]) == 0
     text = capsys.readouterr().out
-    assert "pooled_cos" in text and "per-pair cosine" in text
+    table = dict(re.findall(r"^│ (\S+)\s+│\s+(\S+) │$", text, re.M))
+    scan = run_pairs(dump, Config(mma="exact", quant_p=False), Pairs.select(dump.n, dump.nh))
+    for name, value in scan.summary.as_dict().items():
+        assert float(table[name]) == pytest.approx(value, rel=1e-5), name
+    assert scan.summary.pooled_cos != run_pairs(dump, Config(), Pairs.select(dump.n, dump.nh)).summary.pooled_cos
+    bins = dict(re.findall(r"^│ (\[[^│]*?\))\s+│\s+(\d+) │$", text, re.M))
+    assert {k: int(v) for k, v in bins.items()} == dict(scan.histogram[:-1])
 
 
 def test_worst_pair_sweep(capsys, small_dump, tmp_path):
@@ -64,9 +71,15 @@ def test_attribute_none_equals_unquantized_scan(small_dump):
 
 
 def test_attribute_cli(capsys, small_dump):
-    _, path = small_dump
+    dump, path = small_dump
     out = run_json(capsys, "attribute", path, "--worst", "4")
-    assert set(out["variants"]) == set(ATTRIBUTE_VARIANTS) and len(out["pairs"]) == 4
+    scan = run_pairs(dump, Config(), Pairs.select(dump.n, dump.nh))
+    worst = scan.order()[:4]
+    assert out["pairs"] == [[int(scan.pairs.rows[i]), int(scan.pairs.heads[i])] for i in worst]
+    assert set(out["variants"]) == set(ATTRIBUTE_VARIANTS)
+    assert out["variants"]["all (default)"]["cos"] == pytest.approx(scan.cos[worst].tolist(), rel=1e-12)
+    for v in out["variants"].values():
+        assert v["mean_cos"] == pytest.approx(np.mean(v["cos"])) and v["min_cos"] == min(v["cos"])
 
 
 @pytest.mark.parametrize("argv, message", [

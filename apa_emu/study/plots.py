@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
+from .files import write_atomically
 from .scan import PairReport, SweepRow
+
+
+def _save(fig, out) -> str:
+    """PNG bytes rendered in memory, then written like a dump: savefig itself swallows some write
+    errors (ENOSPC on /dev/full) and would write into devices."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_atomically(out, lambda f: f.write(buf.getbuffer()))
+    return str(out)
 
 
 def _pyplot():
@@ -31,9 +43,10 @@ def plot_pair(report: PairReport, out, title) -> str:
     b.set_ylabel("|Σ p·v| of the tile")
     b.set_xlabel("tile")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    try:
+        return _save(fig, out)
+    finally:
+        plt.close(fig)
 
 
 def plot_sweep(rows: list[SweepRow], out, name) -> str:
@@ -51,6 +64,7 @@ def plot_sweep(rows: list[SweepRow], out, name) -> str:
     a.set_title(f"apa sweep {name}")
     fig.legend(loc="lower left")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    try:
+        return _save(fig, out)
+    finally:
+        plt.close(fig)

@@ -2,28 +2,37 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 import sys
 from contextlib import contextmanager
 
 import numpy as np
 
+NUMBA_WAIT = "the first run compiles the emulator with Numba, about 30 s"
+
 
 @contextmanager
-def progress_bar(enabled: bool, label: str):
-    """A rich progress bar driven by the emulator's ``progress(done, total)`` callback."""
-    if not enabled:
+def progress_bar(enabled: bool, label: str, wait: str = NUMBA_WAIT):
+    """A rich progress bar driven by the emulator's ``progress(done, total)`` callback; until the first
+    step is done it also says what the wait is for. Only on a terminal: elsewhere rich would draw
+    nothing but a stray empty line."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not (enabled and console.is_terminal):
         yield None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(label, total=None)
+                  TimeRemainingColumn(), transient=True, console=console) as bar:
+        task = bar.add_task(f"{label} ({wait})", total=None)
 
         def update(done, total):
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total, description=label)
 
         yield update
 
@@ -40,29 +49,73 @@ def table(title, columns, rows):
 
 
 def _fmt(x) -> str:
+    if x is None:
+        return "-"
     if isinstance(x, (float, np.floating)):
         return f"{x:.6g}"
     return str(x)
 
 
+def json_safe(x, path: str = "", flags: dict | None = None):
+    """x with NumPy values made plain and every NaN or ±Inf made None; ``flags`` collects what each
+    replaced value was, by its path in x (e.g. ``worst[0].cos``). Strict JSON has no NaN or
+    Infinity, and JavaScript's JSON.parse rejects Python's spelling of them."""
+    if isinstance(x, dict):
+        return {k: json_safe(v, f"{path}.{k}" if path else str(k), flags) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [json_safe(v, f"{path}[{i}]", flags) for i, v in enumerate(x)]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        if flags is not None:
+            flags[path] = "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+        return None
+    return x
+
+
+class OutputError(Exception):
+    """Standard output cannot take the results: a closed pipe, a full device."""
+
+
+@contextmanager
+def _writing():
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(e.strerror or str(e)) from e
+
+
 def emit(as_json: bool, payload: dict, tables) -> None:
     """Print the payload as JSON, or the tables for people."""
-    if as_json:
-        json.dump(payload, sys.stdout, indent=1, default=_jsonable)
-        sys.stdout.write("\n")
-        return
-    from rich.console import Console
+    with _writing():
+        if as_json:
+            flags = {}
+            clean = json_safe(payload, flags=flags)
+            if flags:
+                clean["non_finite"] = flags
+            json.dump(clean, sys.stdout, indent=1, allow_nan=False)
+            sys.stdout.write("\n")
+            return
+        from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal:  # piped or captured: no terminal width to respect, keep numbers whole
-        console = Console(width=200)
-    for t in tables:
-        console.print(t)
+        class _Console(Console):
+            def on_broken_pipe(self):  # rich would exit quietly with status 1: report it like any output error
+                raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+        console = _Console()
+        if not console.is_terminal:  # piped or captured: no terminal width to respect, keep numbers whole
+            console = _Console(width=200)
+        for t in tables:
+            console.print(t)
 
 
-def _jsonable(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x).__name__)
+def say(text: str) -> None:
+    with _writing():
+        print(text)
+
+
+def flush() -> None:
+    """Push out what standard output still buffers, so that a failure is reported, not ignored at exit."""
+    with _writing():
+        sys.stdout.flush()
+

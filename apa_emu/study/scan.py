@@ -13,6 +13,8 @@ from ..geometry import ROWS, TILE, warp_of
 from ..metrics import Summary, cosine_histogram, pair_metrics, summarize
 from ..reference import reference_rows
 
+NONFINITE_SHOWN = 5  # non-finite pairs named in a scan's report
+
 # apa attribute: which operands are quantized in each row of the seed's error-source table
 ATTRIBUTE_VARIANTS: dict[str, dict] = {
     "all (default)": {},
@@ -35,13 +37,16 @@ class Pairs:
     heads: np.ndarray
 
     @classmethod
-    def select(cls, n: int, H: int, rows=None, heads=None) -> "Pairs":
+    def select(cls, n: int, H: int, rows=None, heads=None, names=("--rows", "--heads")) -> "Pairs":
+        """Every (row, head) of the given query rows and heads (all when None); ``names`` are the
+        options named in errors."""
         rows = np.arange(n) if rows is None else np.asarray(rows)
         heads = np.arange(H) if heads is None else np.asarray(heads)
-        if rows.size and (rows.min() < 0 or rows.max() >= n):
-            raise ValueError(f"--rows: query rows must lie in 0..{n - 1}")
-        if heads.size and (heads.min() < 0 or heads.max() >= H):
-            raise ValueError(f"--heads: heads must lie in 0..{H - 1}")
+        for name, what, index, size in ((names[0], "query rows", rows, n), (names[1], "heads", heads, H)):
+            if not index.size:
+                raise ValueError(f"{name} selects no {what}")
+            if index.min() < 0 or index.max() >= size:
+                raise ValueError(f"{name}: {what} must lie in 0..{size - 1}")
         r, h = np.meshgrid(rows, heads, indexing="ij")
         return cls(r.ravel(), h.ravel())
 
@@ -54,15 +59,33 @@ class Pairs:
 
 @dataclass
 class Scan:
+    """The selected pairs of one run against float64 attention. A pair whose output holds NaN or Inf
+    (an FP16 stage overflowed, numerics.md §8) has NaN cosine and relative L2; ``summary`` and the
+    histogram's cosine bins cover the finite pairs only (``summary`` is None when there is none)."""
+
     config: Config
     pairs: Pairs
     out: np.ndarray  # [pairs, d] FP16
     ref: np.ndarray  # [pairs, d] float64
     cos: np.ndarray
     rel: np.ndarray
-    summary: Summary
+    finite: np.ndarray  # [pairs] bool: the output is finite
+    summary: Summary | None
     result: Result
     histogram: list = field(default_factory=list)
+
+    def order(self) -> np.ndarray:
+        """Pair indices, worst first: non-finite pairs, then by cosine."""
+        return np.argsort(np.where(self.finite, self.cos, -np.inf), kind="stable")
+
+    def nonfinite_pairs(self) -> list[tuple[int, int]]:
+        bad = ~self.finite
+        return list(zip(self.pairs.rows[bad].tolist(), self.pairs.heads[bad].tolist()))
+
+    def to_json(self) -> dict:
+        bad = self.nonfinite_pairs()
+        return dict(pairs=len(self.pairs), summary=None if self.summary is None else self.summary.as_dict(),
+                    nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]), histogram=self.histogram)
 
 
 def run_pairs(dump, cfg: Config, pairs: Pairs, *, ref=None, workers=1, progress=None, trace=None) -> Scan:
@@ -74,8 +97,13 @@ def run_pairs(dump, cfg: Config, pairs: Pairs, *, ref=None, workers=1, progress=
     if ref is None:
         ref = reference_rows(dump.q, dump.k, dump.v, dump.q_offset, pairs.rows, pairs.heads,
                              cfg.softmax_scale(dump.q.shape[2]))
-    cos, rel = pair_metrics(out, ref)
-    return Scan(cfg, pairs, out, ref, cos, rel, summarize(out, ref, res.hot_share), res, cosine_histogram(cos))
+    # A non-finite output has no cosine (pair_metrics would call a NaN output cosine 0): NaN marks it.
+    finite = np.isfinite(out).all(axis=1)
+    cos, rel = np.full(len(pairs), np.nan), np.full(len(pairs), np.nan)
+    cos[finite], rel[finite] = pair_metrics(out[finite], ref[finite])
+    summary = summarize(out[finite], ref[finite], res.hot_share) if finite.any() else None
+    histogram = cosine_histogram(cos[finite]) + [("non-finite", int((~finite).sum()))]
+    return Scan(cfg, pairs, out, ref, cos, rel, finite, summary, res, histogram)
 
 
 def tile_breakdown(dump, row: int, head: int, scale: float):
@@ -97,9 +125,12 @@ def tile_breakdown(dump, row: int, head: int, scale: float):
     return p, mass, contrib
 
 
-def hot_tiles(res: Result, hk: int, warp: int, ntiles: int) -> np.ndarray:
+def pair_hot(dump, res: Result, row: int, head: int) -> np.ndarray:
+    """The hot vote of the pair's warp on each tile the pair sees (bool [tiles])."""
+    G = dump.q.shape[1] // dump.k.shape[1]
+    hk, warp = warp_of(row, head, G)
     words = res.hot[0, hk, warp]
-    t = np.arange(ntiles)
+    t = np.arange(min(dump.q_offset + row, dump.k.shape[0] - 1) // TILE + 1)
     return ((words[t // 32] >> (t % 32).astype(np.uint32)) & 1).astype(bool)
 
 
@@ -117,6 +148,9 @@ class PairDiagnostics:
     cold_mass_fp4: float
     cold_mass_f64: float
     cold_out_rel: float
+    overflow: str | None  # the first stage whose trace fields are not finite (None: none overflowed)
+    max_qk: float  # FP16 headroom estimates, see fp16_headroom
+    max_o16: float
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -169,6 +203,7 @@ class SweepRow:
     mean_cos: float
     min_cos: float
     below_0_9: int
+    nonfinite: int  # pairs left out of the cosines: their output is not finite
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -176,10 +211,11 @@ class SweepRow:
 
 @dataclass(frozen=True)
 class VariantScore:
-    """Cosines of the attributed pairs under one quantization variant."""
+    """Cosines of the attributed pairs under one quantization variant (mean and min over the finite ones)."""
 
     mean_cos: float
     min_cos: float
+    nonfinite: int
     cos: list[float]
 
 
@@ -193,12 +229,60 @@ class AttributeTable:
                     variants={name: asdict(s) for name, s in self.variants.items()})
 
 
+# The stages of a row in data-flow order with the trace fields each one writes (§7.10, §8.6, §9). A
+# frame m = −inf is no overflow: it means the stage saw no tile.
+_STAGES = (
+    ("pass 1 (FP4 estimate of the cold tiles)", ("m1", "l1", "part")),
+    ("pass 2 (FP16 scores q·k)", ("m2", "l2")),
+    ("pass 2 (FP16 output accumulation P·V)", ("o2",)),
+    ("the merge (FP16 output)", ("out",)),
+)
+
+
+def overflow_stage(rec) -> str | None:
+    """Which stage of a traced row (a ``trace.row_dtype`` record) first went non-finite, and how."""
+    for stage, fields in _STAGES:
+        for name in fields:
+            x = np.asarray(rec[name], dtype=np.float64)
+            bad = np.isnan(x) | (x == np.inf) if name.startswith("m") else ~np.isfinite(x)
+            if bad.any():
+                return f"{stage} overflowed: {name} holds {'NaN' if np.isnan(x[bad]).any() else 'Inf'}"
+    return None
+
+
+def fp16_headroom(dump, row: int, head: int, hot: np.ndarray, scale: float) -> tuple[float, float]:
+    """Float64 estimates of the largest magnitudes that pass 2's FP16 accumulators reach for one pair,
+    to set against the FP16 maximum 65504:
+
+    * max |q·k|: the partial sums of the score chain after each 16-channel step (§8.1);
+    * max |O|: the running output after each 16-key step of the hot tiles, ascending, in the running
+      max frame of §8.2 (exact arithmetic, before the FP16 rounding of §8.5).
+    """
+    G = dump.q.shape[1] // dump.k.shape[1]
+    lim = min(dump.q_offset + row, dump.k.shape[0] - 1)
+    q = dump.q[row, head].astype(np.float64)
+    k = dump.k[: lim + 1, head // G].astype(np.float64)
+    v = dump.v[: lim + 1, head // G].astype(np.float64)
+    steps = np.cumsum((k * q).reshape(lim + 1, -1, 16).sum(axis=2), axis=1)
+    s = steps[:, -1] * float(scale)
+    m, o, max_o = -np.inf, np.zeros(q.size), 0.0
+    for t in np.nonzero(hot)[0]:
+        keys = slice(t * TILE, min((t + 1) * TILE, lim + 1))
+        mx = max(m, s[keys].max())
+        o *= np.exp(m - mx)
+        pv = np.exp(s[keys] - mx)[:, None] * v[keys]
+        running = o + np.cumsum(np.add.reduceat(pv, np.arange(0, pv.shape[0], 16)), axis=0)
+        max_o = max(max_o, float(np.abs(running).max()))
+        o, m = running[-1], mx
+    return float(np.abs(steps).max()), max_o
+
+
 def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostics:
     row, head = int(scan.pairs.rows[i]), int(scan.pairs.heads[i])
     G = dump.q.shape[1] // dump.k.shape[1]
-    hk, w = warp_of(row, head, G)
+    hk = head // G
     p, mass, contrib = tile_breakdown(dump, row, head, scan.config.softmax_scale(dump.q.shape[2]))
-    hot = hot_tiles(traced, hk, w, mass.size)
+    hot = pair_hot(dump, traced, row, head)
     packed = row * G + head % G
     rec = traced.rows[(traced.rows["hk"] == hk) & (traced.rows["row"] == packed)][0]
     m1, l1, m2, l2 = (float(rec[f]) for f in ("m1", "l1", "m2", "l2"))
@@ -206,20 +290,23 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostic
     cold_fp4 = l1 * 2.0 ** (m1 - big) if l1 > 0 else 0.0
     hot_fp4 = l2 * 2.0 ** (m2 - big) if l2 > 0 else 0.0
     ref_norm = float(np.linalg.norm(scan.ref[i]))
+    max_qk, max_o16 = fp16_headroom(dump, row, head, hot, scan.config.softmax_scale(dump.q.shape[2]))
     return PairDiagnostics(
         row=row, head=head, cos=float(scan.cos[i]), rel_l2=float(scan.rel[i]),
         hot_tiles=int(hot.sum()), tiles=int(mass.size),
         cold_mass_fp4=cold_fp4 / (cold_fp4 + hot_fp4) if cold_fp4 + hot_fp4 > 0 else 0.0,
         cold_mass_f64=float(mass[~hot].sum()),
         cold_out_rel=float(np.linalg.norm(contrib[~hot].sum(axis=0)) / ref_norm) if ref_norm > 0 else float("inf"),
+        overflow=overflow_stage(rec), max_qk=max_qk, max_o16=max_o16,
     )
 
 
 def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1,
           progress=None) -> tuple[Scan, list[PairDiagnostics]]:
+    _check_count(n)
     pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
     scan = run_pairs(dump, cfg, pairs, workers=workers, progress=progress)
-    order = np.argsort(scan.cos, kind="stable")[:n]
+    order = scan.order()[:n]
     G = dump.q.shape[1] // dump.k.shape[1]
     sub = Pairs(scan.pairs.rows[order], scan.pairs.heads[order])
     traced = attention(dump.q, dump.k, dump.v, dump.q_offset, cfg, warps=sub.warps(G), trace=sub.warps(G))
@@ -227,13 +314,12 @@ def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1,
 
 
 def pair(dump, cfg: Config, row: int, head: int) -> PairReport:
-    pairs = Pairs.select(dump.q.shape[0], dump.q.shape[1], [row], [head])
+    pairs = Pairs.select(dump.q.shape[0], dump.q.shape[1], [row], [head], names=("--row", "--head"))
     G = dump.q.shape[1] // dump.k.shape[1]
     scan = run_pairs(dump, cfg, pairs, trace=pairs.warps(G))
     diag = pair_diagnostics(dump, scan, 0, scan.result)
     p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.q.shape[2]))
-    hk, w = warp_of(row, head, G)
-    hot = hot_tiles(scan.result, hk, w, mass.size)
+    hot = pair_hot(dump, scan.result, row, head)
     ref = scan.ref[0]
     hot_part = contrib[hot].sum(axis=0)
     cold_part = contrib[~hot].sum(axis=0)
@@ -255,15 +341,18 @@ def pair(dump, cfg: Config, row: int, head: int) -> PairReport:
 
 def attribute(dump, cfg: Config, n: int, *, workers=1, progress=None, variants=None) -> AttributeTable:
     """Mean cosine of the ``n`` worst pairs (under ``cfg``) when only the named operands are quantized."""
+    _check_count(n)
     variants = variants or ATTRIBUTE_VARIANTS
     base = run_pairs(dump, cfg, Pairs.select(dump.q.shape[0], dump.q.shape[1]), workers=workers, progress=progress)
-    order = np.argsort(base.cos, kind="stable")[:n]
+    order = base.order()[:n]
     sub = Pairs(base.pairs.rows[order], base.pairs.heads[order])
     table = {}
     for name, change in variants.items():
         scan = run_pairs(dump, cfg.replace(**change), sub, ref=base.ref[order], workers=workers)
-        table[name] = VariantScore(mean_cos=float(scan.cos.mean()), min_cos=float(scan.cos.min()),
-                                   cos=scan.cos.tolist())
+        finite = scan.cos[scan.finite]
+        table[name] = VariantScore(mean_cos=float(finite.mean()) if finite.size else np.nan,
+                                   min_cos=float(finite.min()) if finite.size else np.nan,
+                                   nonfinite=int((~scan.finite).sum()), cos=scan.cos.tolist())
     return AttributeTable(sub, table)
 
 
@@ -275,6 +364,48 @@ def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, workers=1,
         scan = run_pairs(dump, cfg.replace(eps=float(eps)), pairs, ref=ref, workers=workers, progress=progress)
         ref = scan.ref
         s = scan.summary
-        rows.append(SweepRow(eps=float(eps), hot_share=s.hot_share, pooled_cos=s.pooled_cos, mean_cos=s.mean_cos,
-                             min_cos=s.min_cos, below_0_9=s.below_0_9))
+        rows.append(SweepRow(eps=float(eps), hot_share=scan.result.hot_share,
+                             pooled_cos=s.pooled_cos if s else np.nan, mean_cos=s.mean_cos if s else np.nan,
+                             min_cos=s.min_cos if s else np.nan, below_0_9=s.below_0_9 if s else 0,
+                             nonfinite=int((~scan.finite).sum())))
     return rows
+
+
+F16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """FP16 headroom of pass 2 over a set of pairs: the largest ``fp16_headroom`` estimates, the pairs
+    that reach them, and how many pairs pass the FP16 maximum."""
+
+    pairs: int
+    max_qk: float
+    max_qk_pair: tuple[int, int]
+    qk_over: int
+    max_o16: float
+    max_o16_pair: tuple[int, int]
+    o16_over: int
+    nonfinite: int  # pairs whose emulated output is not finite
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def headroom(dump, cfg: Config, pairs: Pairs | None = None, *, workers=1, progress=None) -> Headroom:
+    """How close the selected pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
+    pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
+    scan = run_pairs(dump, cfg, pairs, workers=workers, progress=progress)
+    scale = cfg.softmax_scale(dump.q.shape[2])
+    est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), scale)
+                    for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
+    qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
+    at = lambda i: (int(pairs.rows[i]), int(pairs.heads[i]))  # noqa: E731
+    return Headroom(pairs=len(pairs), max_qk=float(est[qk, 0]), max_qk_pair=at(qk),
+                    qk_over=int((est[:, 0] > F16_MAX).sum()), max_o16=float(est[o16, 1]), max_o16_pair=at(o16),
+                    o16_over=int((est[:, 1] > F16_MAX).sum()), nonfinite=int((~scan.finite).sum()))
+
+
+def _check_count(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n = {n}: the number of worst pairs must be at least 1")

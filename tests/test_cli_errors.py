@@ -1,0 +1,343 @@
+"""The apa command on bad input, broken output and overflow (issue 11 B and C): one line and exit 2 for
+every problem, strict JSON, non-finite pairs named, nothing written where it should not be."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from apa_emu import Config, attention
+from apa_emu.study import report, scan
+from apa_emu.study.cli import build_parser, main
+from apa_emu.study.dump import Dump, write_dump
+from apa_emu.study.synth import synthetic
+from apa_emu.trace import VISIT_FIELDS, row_dtype
+
+pytest.importorskip("rich")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0
+    return _strict(capsys.readouterr().out)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("apa: error: ")
+    return captured.err
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """A small synthetic dump, and a copy whose second KV head has V = 65504: pass 2's FP16 output
+    overflows on query heads 3..5 and nowhere else."""
+    root = tmp_path_factory.mktemp("dumps")
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    v = d.v.copy()
+    v[:, 1] = 65504
+    return dict(good=str(write_dump(root / "good.apadump", d.q, d.k, d.v, d.q_offset)),
+                hot_v=str(write_dump(root / "hot_v.apadump", d.q, d.k, v, d.q_offset)), root=root)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["scan", "--rows", ","], "--rows selects no query rows"),
+    (["scan", "--rows", "5:2"], "--rows selects no query rows"),
+    (["scan", "--heads", "3:1"], "--heads selects no heads"),
+    (["worst", "-n", "-5"], "argument -n: must be at least 1, got -5"),
+    (["attribute", "--worst", "-1"], "argument --worst: must be at least 1"),
+    (["attribute", "--worst", "0"], "argument --worst: must be at least 1"),
+    (["scan", "--workers", "0"], "argument --workers: must be at least 1"),
+    (["scan", "--workers", "-1"], "argument --workers: must be at least 1"),
+    (["scan", "--config", "tau=abc"], "--config 'tau=abc': tau expects an integer in 0..8"),
+    (["scan", "--config", "scale=abc"], "--config 'scale=abc': scale expects a number > 0"),
+    (["scan", "--config", "delta=1e39"], "config.delta=1e+39: outside the binary32 range"),
+    (["scan", "--config", "eps=1e-50"], "config.eps=1e-50: outside the binary32 range"),
+    (["scan", "--eps", "1e40"], "config.eps=1e+40: outside the binary32 range"),
+    (["sweep", "--eps", "0.01", "1e40"], "config.eps=1e+40: outside the binary32 range"),
+    (["pair", "--row", "9999", "--head", "0"], "--row: query rows must lie in 0..511"),
+    (["pair", "--row", "0", "--head", "9"], "--head: heads must lie in 0..8"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, message):
+    assert message in one_line_error(capsys, argv)
+
+
+def test_special_paths_are_refused(capsys, dumps, tmp_path):
+    fifo = tmp_path / "fifo.apadump"
+    os.mkfifo(fifo)
+    assert "a FIFO, not a regular file" in one_line_error(capsys, ["scan", str(fifo)])
+    synth = ["--n", "16", "--kv", "64", "--heads", "2", "--kv-heads", "1", "--d", "64"]
+    assert "a directory, not a regular file" in one_line_error(capsys, ["synth", str(tmp_path), *synth])
+    assert "a FIFO, not a regular file" in one_line_error(capsys, ["synth", str(fifo), *synth])
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert "a directory, not a regular file" in one_line_error(capsys, ["smollm2", str(tmp_path / "o"), "--text",
+                                                                        str(tmp_path)])
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    pair = ["pair", dumps["good"], "--row", "40", "--head", "0", "--plot"]
+    assert f"{plain}/x.png: Not a directory" in one_line_error(capsys, [*pair, str(plain / "x.png")])
+    assert "/dev/full: a character device" in one_line_error(capsys, [*pair, "/dev/full"])
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_plot_into_read_only_folder(capsys, dumps, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    err = one_line_error(capsys, ["pair", dumps["good"], "--row", "40", "--head", "0", "--plot", str(ro / "p.png")])
+    assert "Permission denied" in err and not any(ro.iterdir())
+
+
+def test_workers_beyond_the_cpus_are_clamped_with_a_notice(capsys, dumps, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    argv = ["scan", dumps["good"], "--rows", "0:16", "--json"]
+    assert main([*argv, "--workers", "1000"]) == 0
+    clamped = capsys.readouterr()
+    assert clamped.err == "apa: note: --workers 1000 is more than the 2 CPUs available: using 2\n"
+    assert main([*argv, "--workers", "1"]) == 0
+    assert _strict(clamped.out) == _strict(capsys.readouterr().out)
+
+
+def test_json_carries_the_config_everywhere(capsys, dumps):
+    path = dumps["good"]
+    cfg = dataclasses.asdict(Config(mma="exact", eps=0.01))
+    common = ["--config", "mma=exact", "--eps", "0.01"]
+    outputs = [run_json(capsys, "scan", path, "--rows", "0:4", *common),
+               run_json(capsys, "worst", path, "-n", "2", *common),
+               run_json(capsys, "pair", path, "--row", "3", "--head", "1", "--plot", "", *common),
+               run_json(capsys, "attribute", path, "--worst", "2", *common),
+               run_json(capsys, "headroom", path, "--rows", "0:4", *common)]
+    assert all(o["config"] == cfg for o in outputs)
+    sweep = run_json(capsys, "sweep", path, "--rows", "0:4", "--eps", "0.01", "--plot", "", "--config", "mma=exact")
+    assert sweep["config"] == dataclasses.asdict(Config(mma="exact"))
+
+
+def test_scan_names_the_non_finite_pairs(capsys, dumps):
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    v = d.v.copy()
+    v[:, 1] = 65504
+    finite = np.isfinite(attention(d.q, d.k, v, d.q_offset).out).all(axis=2)
+    bad = [(int(r), int(h)) for r, h in np.argwhere(~finite)]
+    assert 0 < len(bad) < finite.size
+    out = run_json(capsys, "scan", dumps["hot_v"])
+    assert out["pairs"] == finite.size and out["summary"]["pairs"] == finite.sum()
+    assert out["nonfinite"] == dict(count=len(bad), first=[list(p) for p in bad[: scan.NONFINITE_SHOWN]])
+    bins = dict(out["histogram"])
+    assert bins.pop("non-finite") == len(bad) and sum(bins.values()) == finite.sum()
+    assert "non_finite" not in out
+    # the finite pairs measure the same as a scan that selects them alone
+    alone = run_json(capsys, "scan", dumps["hot_v"], "--heads", "0:3")
+    assert alone["summary"] == pytest.approx(out["summary"] | dict(hot_share=alone["summary"]["hot_share"]),
+                                             rel=1e-12)
+    assert main(["scan", dumps["hot_v"]]) == 0
+    table = capsys.readouterr().out
+    assert f"{len(bad)} of {finite.size}" in table and "(0, 3) (0, 4) (0, 5) (1, 3) (1, 4)" in table
+
+
+def test_worst_puts_overflowed_pairs_first_and_json_stays_strict(capsys, dumps):
+    out = run_json(capsys, "worst", dumps["hot_v"], "-n", "4")
+    assert [w["head"] >= 3 for w in out["worst"]] == [True] * 4
+    for i, w in enumerate(out["worst"]):
+        assert w["cos"] is None and w["rel_l2"] is None and w["max_o16"] > scan.F16_MAX
+        assert w["overflow"] == "pass 2 (FP16 output accumulation P·V) overflowed: o2 holds Inf"
+        assert out["non_finite"][f"worst[{i}].cos"] == "NaN"
+    pair = run_json(capsys, "pair", dumps["hot_v"], "--row", "0", "--head", "4", "--plot", "")
+    assert pair["diag"]["overflow"].startswith("pass 2 (FP16 output accumulation") and pair["diag"]["cos"] is None
+    assert pair["non_finite"]["out_norm"] == "Infinity"
+    attribute = run_json(capsys, "attribute", dumps["hot_v"], "--worst", "3")
+    # every variant overflows but the exact MMA model, which accumulates pass 2 in binary32
+    for name, v in attribute["variants"].items():
+        assert (v["nonfinite"], v["mean_cos"] is None) == ((0, False) if "exact" in name else (3, True)), name
+
+
+def _record(**bad):
+    rec = np.zeros((), row_dtype(64))
+    rec["m1"], rec["m2"], rec["l1"], rec["l2"] = 1.0, 2.0, 0.5, 0.5
+    for name, value in bad.items():
+        rec[name] = value
+    return rec
+
+
+@pytest.mark.parametrize("bad, stage", [
+    ({}, None),
+    (dict(m1=-np.inf, l1=0.0), None),  # no cold tile: not an overflow
+    (dict(m2=-np.inf, l2=0.0), None),  # no hot tile
+    (dict(part=np.inf), "pass 1 (FP4 estimate of the cold tiles) overflowed: part holds Inf"),
+    (dict(m2=np.inf, l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k) overflowed: m2 holds Inf"),
+    (dict(l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k) overflowed: l2 holds NaN"),
+    (dict(o2=np.inf, out=np.inf), "pass 2 (FP16 output accumulation P·V) overflowed: o2 holds Inf"),
+    (dict(out=np.inf), "the merge (FP16 output) overflowed: out holds Inf"),
+])
+def test_overflow_stage_is_the_first_non_finite_one(bad, stage):
+    assert scan.overflow_stage(_record(**bad)) == stage
+
+
+@pytest.mark.parametrize("v_mean, q_scale", [(16, 1.0), (128, 1.0), (0, 60.0), (0, 300.0)])
+def test_headroom_estimates_predict_the_overflow(v_mean, q_scale):
+    """Every tile hot (ε < 0), cases far from the boundary: |running O| past 65504 exactly where pass 2's
+    FP16 output overflows, and an overflow of the scores only where |q·k| passes 65504 (a negative
+    overflow only drops its key, silently)."""
+    rng = np.random.default_rng(1)
+    S = 2048
+    q = (0.05 * q_scale * rng.standard_normal((16, 1, 64))).astype(np.float16)
+    k = (q_scale * rng.standard_normal((S, 1, 64))).astype(np.float16)
+    v = (v_mean + rng.standard_normal((S, 1, 64))).astype(np.float16)
+    _, diags = scan.worst(Dump(q, k, v, S - 16), Config(eps=-1), 16)
+    for diag in diags:
+        assert (diag.max_o16 > scan.F16_MAX) == ("o2" in (diag.overflow or ""))
+        if "scores" in (diag.overflow or ""):
+            assert diag.max_qk > scan.F16_MAX
+    kinds = {diag.overflow.split(":")[0] if diag.overflow else None for diag in diags}
+    assert kinds == {(16, 1.0): {None}, (128, 1.0): {"pass 2 (FP16 output accumulation P·V) overflowed"},
+                     (0, 60.0): {None}, (0, 300.0): {"pass 2 (FP16 scores q·k) overflowed"}}[v_mean, q_scale]
+
+
+def test_ctrl_c_in_process(capsys, dumps, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scan, "run_pairs", interrupted)
+    assert main(["scan", dumps["good"]]) == 130
+    assert capsys.readouterr().err == "apa: interrupted\n"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_ctrl_c_with_workers_is_one_line_and_leaves_no_worker():
+    p = subprocess.Popen([sys.executable, "-m", "apa_emu.study.cli", "scan", "--workers", "2"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not _children(p.pid) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _children(p.pid)
+    assert workers, "the scan ended before its workers could be interrupted"
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (130, "apa: interrupted\n")
+    time.sleep(0.5)
+    assert not [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in _state(w)]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+@pytest.mark.parametrize("sink", ["/dev/full", "closed pipe"])
+def test_output_failures_are_one_line(dumps, sink, as_json):
+    argv = [sys.executable, "-m", "apa_emu.study.cli", "scan", dumps["good"], "--rows", "0:2"] + ["--json"] * as_json
+    if sink == "/dev/full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(argv, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        rc, err = p.returncode, p.stderr
+        expected = "No space left on device"
+    else:
+        p = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdout.close()
+        err = p.stderr.read()
+        rc = p.wait(timeout=300)
+        expected = "Broken pipe"
+    assert (rc, err) == (2, f"apa: error: cannot write the output: {expected}\n")
+
+
+def _subparsers():
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_help_gives_every_option_a_meaning_and_its_default():
+    for name, parser in _subparsers().items():
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            assert action.help, f"apa {name} {action.dest} has no help"
+            if action.default not in (None, False) and action.dest != "help":
+                shown = str(action.default)
+                assert f"(default: {shown})" in text, f"apa {name} {action.dest}: default {shown} not shown"
+
+
+def test_help_lists_config_keys_and_columns():
+    from apa_emu.study.scan import ATTRIBUTE_VARIANTS, PairDiagnostics
+
+    for name, parser in _subparsers().items():
+        if name in ("synth", "smollm2"):
+            continue
+        text = parser.format_help()
+        for field in dataclasses.fields(Config):
+            default = getattr(Config(), field.name)
+            shown = {True: "on", False: "off", None: "none"}.get(default, default) if not isinstance(default, float) \
+                else default
+            assert re.search(rf"^  {field.name} .* default {re.escape(str(shown))}$", text, re.M), (name, field.name)
+    pair = _subparsers()["pair"].format_help()
+    assert all(re.search(rf"^  {c}\s+\S", pair, re.M) for c in ("visit", *VISIT_FIELDS))
+    explained = {name for names in re.findall(r"^  ([a-z0-9_, ]+?)\s{2,}", _subparsers()["worst"].format_help(), re.M)
+                 for name in names.split(", ")}
+    assert {f.name for f in dataclasses.fields(PairDiagnostics)} - {"row", "head"} <= explained
+    attribute = _subparsers()["attribute"].format_help()
+    assert all(re.search(rf"^  {re.escape(v)}\s+quantized in pass 1: ", attribute, re.M) for v in ATTRIBUTE_VARIANTS)
+
+
+def test_progress_bar_says_why_it_waits(monkeypatch):
+    rich_console = pytest.importorskip("rich.console")
+    rich_progress = pytest.importorskip("rich.progress")
+    seen = []
+
+    class Recorder:
+        def __init__(self, *columns, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def add_task(self, description, total):
+            seen.append(description)
+            return 0
+
+        def update(self, task, completed, total, description):
+            seen.append(description)
+
+    monkeypatch.setattr(rich_console.Console, "is_terminal", property(lambda self: True))
+    monkeypatch.setattr(rich_progress, "Progress", Recorder)
+    with report.progress_bar(True, "scan x") as update:
+        update(1, 4)
+        update(2, 4)
+    assert seen == [f"scan x ({report.NUMBA_WAIT})", "scan x", "scan x"] and "Numba" in report.NUMBA_WAIT
+
+
+def test_json_safe_flags_every_replaced_value():
+    flags = {}
+    clean = report.json_safe(dict(a=[1.0, np.float32(np.inf)], b=dict(c=np.array([np.nan, -np.inf]))), flags=flags)
+    assert clean == dict(a=[1.0, None], b=dict(c=[None, None]))
+    assert flags == {"a[1]": "Infinity", "b.c[0]": "NaN", "b.c[1]": "-Infinity"}
