@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -230,6 +231,8 @@ _WORKER_RUNNER: _Runner | None = None
 def _init_worker(runner: _Runner) -> None:
     global _WORKER_RUNNER
     _WORKER_RUNNER = runner
+    # Ctrl-C goes to the parent alone, which then ends the pool: no worker prints a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_in_worker(w: int) -> WarpResult:

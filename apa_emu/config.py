@@ -10,7 +10,7 @@ import numpy as np
 
 from . import constants
 
-_CHOICES = {
+CHOICES = {
     "q_format": ("nvfp4", "fp8"),
     "p_scale": ("ue4m3", "pow2"),
     "block_scale": ("lsq", "nearest"),
@@ -23,6 +23,10 @@ _CHOICES = {
 
 
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _in_binary32(x) -> bool:
+    return math.isfinite(x) and abs(x) <= F32_MAX and (x == 0 or np.float32(x) != 0)
 
 
 def _is_real(x) -> bool:
@@ -59,7 +63,7 @@ class Config:
     scale: float | None = None
 
     def __post_init__(self):
-        for name, allowed in _CHOICES.items():
+        for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
@@ -72,12 +76,12 @@ class Config:
             raise ValueError(f"config.tau={self.tau!r}: expected an integer in 0..8")
         for name in ("eps", "delta"):
             value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or abs(value) > F32_MAX:
-                raise ValueError(f"config.{name}={value!r}: expected a finite number within binary32 range")
+            if not _is_real(value) or not _in_binary32(value):
+                raise ValueError(f"config.{name}={value!r}: expected a finite number within binary32 range "
+                                 f"(the kernel holds it in binary32, where it must neither overflow nor vanish)")
         if self.delta < 0:
             raise ValueError(f"config.delta={self.delta!r}: must be >= 0")
-        if self.scale is not None and (not _is_real(self.scale) or not math.isfinite(self.scale)
-                                       or not 0 < self.scale <= F32_MAX or np.float32(self.scale) == 0):
+        if self.scale is not None and (not _is_real(self.scale) or not _in_binary32(self.scale) or self.scale <= 0):
             raise ValueError(f"config.scale={self.scale!r}: expected a positive binary32 number or None")
         if self.mma == "sm120":
             off = [n for n in ("quant_q", "quant_k", "quant_p", "quant_v") if not getattr(self, n)]
@@ -121,7 +125,7 @@ class Config:
                 if raw.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
                     raise ValueError(f"--config {item!r}: {key} expects on/off")
                 changes[key] = raw.lower() in ("1", "true", "on", "yes")
-            elif key in _CHOICES:
+            elif key in CHOICES:
                 changes[key] = raw
             else:
                 kind = int if isinstance(current, int) else float

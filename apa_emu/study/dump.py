@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..geometry import HEAD_DIMS
 from .files import open_regular, write_atomically
 
 HEADER_FIELDS = ("n", "kv", "nh", "nkv", "hd", "off")
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
-HEAD_DIMS = (64, 128, 256)
 BUILTIN_DUMP = "smollm2_L14.apadump"
 
 # Elements per slice of the finiteness scan: the slice stays in cache and a 122880-key dump is
