@@ -6,7 +6,8 @@
 
 Each mutant is one textual replacement in one source file (the replaced text must occur exactly once,
 so a refactor that moves it fails loudly instead of testing nothing). The file is restored after each
-run, also on Ctrl-C. Emulator edits need no cache clearing: the Numba cache is keyed on the sources
+run, also on Ctrl-C or SIGTERM. It edits the checkout it lives in: run it in a worktree of its own
+(`git worktree add /tmp/mut HEAD`) when you keep working beside it. Emulator edits need no cache clearing: the Numba cache is keyed on the sources
 (apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
 The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
 K1–K5 in the kernel; M14 is equivalent by construction and listed as such.
@@ -15,6 +16,7 @@ K1–K5 in the kernel; M14 is equivalent by construction and listed as such.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -111,6 +113,7 @@ def run(m: Mutant) -> tuple[str, float, str]:
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally above restores the file
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ids", nargs="*", help="mutant ids (default: all)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
