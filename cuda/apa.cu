@@ -10,7 +10,7 @@
 #include "common.cuh"
 #include "prep.cuh"
 #include "pass1.cuh"
-#include "merge.cuh"
+#include "pass2.cuh"
 
 using namespace apa;
 

@@ -99,6 +99,13 @@ __device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
     return x;
 }
 
+// The tile of step i of the CTA's visiting order (§6.4) over tiles 0 .. Tmax: diagonal (0, Tmax,
+// Tmax - 1, ..., 1) or ascending. A warp skips the steps past its own T_w, which leaves it exactly
+// its own order.
+__device__ __forceinline__ int visit_tile(int i, int Tmax, bool ascending) {
+    return (ascending || i == 0) ? i : Tmax + 1 - i;
+}
+
 // Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are
 // stored in slot order, so P group g is slots 16g..16g+15 for both groupings.
 //   consecutive: slot j is key j.
