@@ -1,12 +1,15 @@
-"""apa_gpu: the APA CUDA kernel for H200 (sm_90), launched with CuPy, bitwise equal to apa_emu.
+"""apa_gpu: the APA CUDA kernel for H200 (sm_90), bitwise equal to apa_emu.
 
 ``attention(q, k, v, q_offset=0, config=Config(), *, trace=None)`` mirrors ``apa_emu.attention``
-(same validation, same Result); ``available()`` says whether a GPU, CuPy and nvcc are present.
-The kernel sources are ``cuda/``; ``python -m apa_gpu.build`` compiles every variant into the cache.
+(same validation, same Result); ``available()`` says whether the selected backend can run: CuPy, a
+GPU and nvcc, or under ``APA_GPU_BACKEND=sim`` the CPU simulator (apa_gpu/device.py). The kernel
+sources are ``cuda/``; ``python -m apa_gpu.build`` compiles every variant into the cache.
 """
 
 from apa_emu.config import Config
+from apa_emu.geometry import Shape
 
-from .launch import Plan, Shape, attention, available, check_config, prep_arrays
+from .api import attention, available, check_config, prep_arrays
+from .plan import Plan
 
 __all__ = ["Config", "Plan", "Shape", "attention", "available", "check_config", "prep_arrays"]

@@ -7,9 +7,10 @@ The kernel must be built with our own flags (numerics.md §1.2): CuPy's NVRTC pa
 Cache: ``$APA_GPU_CACHE`` or ``~/.cache/apa_gpu``; the file name carries a hash of every file in
 ``cuda/``, the flags, the variant's defines and the nvcc version, so an edit anywhere rebuilds.
 
-``APA_GPU_SIM=1`` builds the CPU simulator instead (``cuda/sim/``: the same kernel sources compiled
-by g++ into a shared library, run by ``apa_gpu/simshim``), for checking everything but the tensor
-cores without a GPU.
+``APA_GPU_BACKEND`` (``cuda``, the default, or ``sim``) chooses the build product and the backend
+that runs it (``apa_gpu.device``): ``sim`` builds the CPU simulator instead (``cuda/sim/``: the same
+kernel sources compiled by g++ into a shared library), for checking everything but the tensor cores
+without a GPU.
 
 CLI::
 
@@ -47,7 +48,18 @@ FLAGS = (
     "-lineinfo",
 )
 
+# The head dims the kernel implements (cuda/common.cuh refuses any other APA_D; tests/test_gpu_build.py
+# checks the two agree), a subset of the spec's apa_emu.geometry.HEAD_DIMS.
 SUPPORTED_D = (64, 128)
+BACKENDS = ("cuda", "sim")
+
+
+def backend_name() -> str:
+    """$APA_GPU_BACKEND: "cuda" (cubins run through CuPy, the default) or "sim" (the CPU simulator)."""
+    name = os.environ.get("APA_GPU_BACKEND", "cuda")
+    if name not in BACKENDS:
+        raise ValueError(f"APA_GPU_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -131,10 +143,6 @@ SIM_FLAGS = ("-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC"
              "-Wno-unknown-pragmas", "-DAPA_SIM")
 
 
-def sim_enabled() -> bool:
-    return os.environ.get("APA_GPU_SIM", "") not in ("", "0")
-
-
 def build_sim(variant=Variant()) -> Path:
     """The simulator library of ``variant`` (g++), cached like the cubins."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or "g++"
@@ -201,8 +209,8 @@ def compile_to(variant, out: Path, *, verbose: bool = False, extra: tuple[str, .
 
 def build(variant=Variant()) -> Path:
     """The cubin of ``variant`` (a Variant or PROBE), compiled on first use and cached (the
-    simulator library instead when APA_GPU_SIM is set)."""
-    if sim_enabled():
+    simulator library instead under APA_GPU_BACKEND=sim)."""
+    if backend_name() == "sim":
         return build_sim(variant)
     nvcc = find_nvcc()
     src, defines, name = _source_and_defines(variant)
@@ -213,17 +221,6 @@ def build(variant=Variant()) -> Path:
         tmp.with_name(f"{name}-{key}.log").write_text(log)
 
     return _cached(cache_dir() / f"{name}-{key}.cubin", make)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        log = compile_to(variant, Path(tmp), verbose=True)
-        path.with_suffix(".log").write_text(log)
-        os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def ptxas_report(text: str) -> list[str]:

@@ -114,7 +114,7 @@ def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:
     from apa_emu.api import validate
     from apa_emu.prep import prepare
 
-    from .launch import prep_arrays
+    from .api import prep_arrays
 
     qb, kb, vb, _ = validate(q, k, v, q_offset)
     gpu = prep_arrays(qb, kb, vb, q_offset, cfg)

@@ -12,15 +12,16 @@ import sys
 
 import apa_emu
 
-from . import launch
+from .api import attention
 from .compare import describe, first_divergence, load_reproducer, prep_divergence
+from .plan import SCHEDULES
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file")
     ap.add_argument("--workers", type=int, default=1, help="emulator worker processes")
-    ap.add_argument("--schedule", default="separate", choices=launch.SCHEDULES, help="kernel launch schedule")
+    ap.add_argument("--schedule", default="separate", choices=SCHEDULES, help="kernel launch schedule")
     args = ap.parse_args(argv)
     r = load_reproducer(args.file)
     q, k, v, off, cfg, trace = r["q"], r["k"], r["v"], r["q_offset"], r["config"], r["trace"]
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     prep = prep_divergence(q, k, v, off, cfg)
     print("prep: " + (prep or "bitwise equal"))
     emu = apa_emu.attention(q, k, v, off, cfg, trace=trace, workers=args.workers)
-    gpu = launch.attention(q, k, v, off, cfg, trace=trace, schedule=args.schedule)
+    gpu = attention(q, k, v, off, cfg, trace=trace, schedule=args.schedule)
     div = first_divergence(emu, gpu)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1

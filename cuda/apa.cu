@@ -1,86 +1,99 @@
 // apa.cu: kernel entry points of the APA attention (docs/numerics.md), one cubin per build variant.
 //
 // Build variants (-D, see apa_gpu/build.py): APA_D (64 | 128), APA_TRACE (0 | 1), APA_P2_F32
-// (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time argument.
+// (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
 //
-// Launch sequence (apa_gpu/launch.py), all on one stream:
+// Launch sequence (apa_gpu/plan.py), all on one stream:
 //   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v, apa_prep_kv16
-//   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge).
-// Every kernel takes the geometry (n, H, Hkv, S, q_offset) as int32 and batch as grid z.
+//   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge),
+// or the prep kernels, then apa_fused. Each kernel takes one parameter struct (params.cuh), which
+// holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
+#include "params.cuh"
 #include "prep.cuh"
 #include "pass1.cuh"
-#include "merge.cuh"
+#include "pass2.cuh"
 
 using namespace apa;
 
-extern "C" __global__ void __launch_bounds__(STATS_THREADS)
-apa_prep_stats(const uint16_t* k, const uint16_t* v, unsigned long long* ksum, unsigned int* amax, int n, int H,
-               int Hkv, int S, int q_offset) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_stats(k, v, ksum, amax, g);
+// The six prep kernels share one struct: each reads the fields of its own step (§5).
+struct PrepParams {
+    GeomSizes sz;
+    const uint16_t* q;          // [B, n, H, D] f16
+    const uint16_t* k;          // [B, S, Hkv, D] f16
+    const uint16_t* v;
+    unsigned long long* ksum;   // zeroed by the host
+    unsigned int* amax;         // zeroed by the host
+    float* kmean;
+    float* scales;
+    uint16_t* qhat;
+    float* cq;
+    float* sh;
+    uint16_t* khat;
+    uint16_t* vhat;
+    uint16_t* kimg;
+    uint16_t* vimg;
+    float qmul;
+    int q_mode;                 // prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off
+    int q_terms;
+    int quant_k;
+    int quant_v;
+    int lsq;
+    int interleaved;
+};
+
+struct Pass1Params {
+    GeomSizes sz;
+    Pass1Args pass1;
+};
+
+struct Pass2Params {
+    GeomSizes sz;
+    Pass2Args pass2;
+};
+
+// Pass 1 and pass 2 share part, ml and hot: the host points both at the same buffers.
+struct FusedParams {
+    GeomSizes sz;
+    int B;
+    unsigned int* counters;  // [0]: the ticket; zeroed by the host before every launch
+    unsigned int* flags;     // ready flag per work item; zeroed by the host before every launch
+    Pass1Args pass1;
+    Pass2Args pass2;
+};
+
+extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
+    prep_stats(p.k, p.v, p.ksum, p.amax, Geom(p.sz));
 }
 
-extern "C" __global__ void __launch_bounds__(D)
-apa_prep_finalize(const unsigned long long* ksum, const unsigned int* amax, float* kmean, float* scales, int n,
-                  int H, int Hkv, int S, int q_offset) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_finalize(ksum, amax, kmean, scales, g);
+extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_constant__ PrepParams p) {
+    prep_finalize(p.ksum, p.amax, p.kmean, p.scales, Geom(p.sz));
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-apa_prep_k(const uint16_t* k, const float* kmean, const float* scales, uint16_t* khat, int n, int H, int Hkv,
-           int S, int q_offset, int quant, int lsq, int interleaved) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_k(k, kmean, scales, khat, g, quant != 0, lsq != 0, interleaved != 0);
+extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
+    prep_k(p.k, p.kmean, p.scales, p.khat, Geom(p.sz), p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-apa_prep_v(const uint16_t* v, const float* scales, uint16_t* vhat, int n, int H, int Hkv, int S, int q_offset,
-           int quant, int lsq, int interleaved) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_v(v, scales, vhat, g, quant != 0, lsq != 0, interleaved != 0);
+extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
+    prep_v(p.v, p.scales, p.vhat, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-apa_prep_kv16(const uint16_t* k, const uint16_t* v, uint16_t* kimg, uint16_t* vimg, int n, int H, int Hkv, int S,
-              int q_offset) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_kv16(k, v, kimg, vimg, g);
+extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
+    prep_kv16(p.k, p.v, p.kimg, p.vimg, Geom(p.sz));
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-apa_prep_q(const uint16_t* q, const float* kmean, const float* scales, uint16_t* qhat, float* cq, float* sh, int n,
-           int H, int Hkv, int S, int q_offset, float qmul, int q_mode, int q_terms, int lsq) {
-    const Geom g(n, H, Hkv, S, q_offset);
-    prep_q(q, kmean, scales, qhat, cq, sh, g, qmul, q_mode, q_terms, lsq != 0);
+extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
+    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, Geom(p.sz), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-apa_pass1(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uint16_t* vhat, const float* scales,
-          float* part, float* ml, uint32_t* hot, uint8_t* trace_visits, const int* visit_base, int n, int H,
-          int Hkv, int S, int q_offset, float eps, float delta, float tau, float A, float L, float Kf,
-          int ascending, int pow2, int interleaved, int quant_p) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
     APA_DYNAMIC_SMEM(smem);
-    const Geom g(n, H, Hkv, S, q_offset);
-    Pass1Args a;
-    a.qhat = qhat; a.cq = cq; a.khat = khat; a.vhat = vhat; a.scales = scales;
-    a.part = part; a.ml = ml; a.hot = hot; a.trace_visits = trace_visits; a.visit_base = visit_base;
-    a.eps = eps; a.delta = delta; a.tau = tau; a.A = A; a.L = L; a.Kf = Kf;
-    a.ascending = ascending; a.pow2 = pow2; a.interleaved = interleaved; a.quant_p = quant_p;
-    pass1_cta(a, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+    pass1_cta(p.pass1, Geom(p.sz), smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-apa_pass2(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* sh, const float* part,
-          const float* ml, uint32_t* hot, uint16_t* out, uint8_t* trace_rows, const int* row_base, int n, int H,
-          int Hkv, int S, int q_offset, float qmul, int all_hot) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass2(const __grid_constant__ Pass2Params p) {
     APA_DYNAMIC_SMEM(smem);
-    const Geom g(n, H, Hkv, S, q_offset);
-    Pass2Args a;
-    a.q = q; a.k = k; a.v = v; a.sh = sh; a.part = part; a.ml = ml; a.hot = hot; a.out = out;
-    a.trace_rows = trace_rows; a.row_base = row_base; a.qmul = qmul; a.all_hot = all_hot;
-    pass2_cta(a, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+    pass2_cta(p.pass2, Geom(p.sz), smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -90,7 +103,6 @@ apa_pass2(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* 
 // waits on its pass-1 item's ready flag (release/acquire at gpu scope); that item holds a smaller
 // ticket, so it was taken by a CTA that is already running and never waits itself: no deadlock,
 // whatever the number of resident CTAs. Scheduling changes no arithmetic (numerics.md §6.2).
-// counters[0] (the ticket) and flags[] are zeroed by the host before every launch.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void item_coords(int item, const Geom& g, int B, int& b, int& hk, int& qb) {
     // Heaviest items first: the last query block of every (b, hk) has the most tiles.
@@ -102,36 +114,23 @@ __device__ __forceinline__ void item_coords(int item, const Geom& g, int B, int&
     hk = bh % g.Hkv;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uint16_t* vhat, const float* scales,
-          float* part, float* ml, uint32_t* hot, uint8_t* trace_visits, const int* visit_base,
-          const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* sh, uint16_t* out,
-          uint8_t* trace_rows, const int* row_base, unsigned int* counters, unsigned int* flags, int B, int n,
-          int H, int Hkv, int S, int q_offset, float eps, float delta, float tau, float A, float L, float Kf,
-          int ascending, int pow2, int interleaved, int quant_p, float qmul, int all_hot) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_constant__ FusedParams p) {
     APA_DYNAMIC_SMEM(smem);
     __shared__ int ticket_s;
-    const Geom g(n, H, Hkv, S, q_offset);
-    Pass1Args a1;
-    a1.qhat = qhat; a1.cq = cq; a1.khat = khat; a1.vhat = vhat; a1.scales = scales;
-    a1.part = part; a1.ml = ml; a1.hot = hot; a1.trace_visits = trace_visits; a1.visit_base = visit_base;
-    a1.eps = eps; a1.delta = delta; a1.tau = tau; a1.A = A; a1.L = L; a1.Kf = Kf;
-    a1.ascending = ascending; a1.pow2 = pow2; a1.interleaved = interleaved; a1.quant_p = quant_p;
-    Pass2Args a2;
-    a2.q = q; a2.k = k; a2.v = v; a2.sh = sh; a2.part = part; a2.ml = ml; a2.hot = hot; a2.out = out;
-    a2.trace_rows = trace_rows; a2.row_base = row_base; a2.qmul = qmul; a2.all_hot = all_hot;
-    const int items = B * g.Hkv * ((g.nw + WARPS - 1) / WARPS);
-    const int n1 = all_hot ? 0 : items;
+    const Geom g(p.sz);
+    unsigned int* const flags = p.flags;  // held in a register across the items: ptxas then spills less
+    const int items = p.B * g.Hkv * ((g.nw + WARPS - 1) / WARPS);
+    const int n1 = p.pass2.all_hot ? 0 : items;
     for (bool fresh = true;; fresh = false) {
         __syncthreads();  // every thread has read the previous ticket; smem is free
-        if (threadIdx.x == 0) ticket_s = (int)atomicAdd(&counters[0], 1u);
+        if (threadIdx.x == 0) ticket_s = (int)atomicAdd(&p.counters[0], 1u);
         __syncthreads();
         const int ticket = ticket_s;
         if (ticket >= n1 + items) break;
         int b, hk, qb;
         if (ticket < n1) {
-            item_coords(ticket, g, B, b, hk, qb);
-            pass1_cta(a1, g, smem, b, hk, qb, fresh);
+            item_coords(ticket, g, p.B, b, hk, qb);
+            pass1_cta(p.pass1, g, smem, b, hk, qb, fresh);
             __syncthreads();  // all of the item's global writes are done
             if (threadIdx.x == 0) {
                 __threadfence();
@@ -139,7 +138,7 @@ apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
             }
         } else {
             const int item = ticket - n1;
-            item_coords(item, g, B, b, hk, qb);
+            item_coords(item, g, p.B, b, hk, qb);
             if (n1 && threadIdx.x == 0) {
                 unsigned int f = 0;
                 for (;;) {
@@ -149,13 +148,41 @@ apa_fused(const uint16_t* qhat, const float* cq, const uint16_t* khat, const uin
                 }
             }
             __syncthreads();  // the acquire above orders the pass-1 item's writes before every thread's reads
-            pass2_cta(a2, g, smem, b, hk, qb, fresh);
+            pass2_cta(p.pass2, g, smem, b, hk, qb, fresh);
         }
     }
 }
 
-// Layout constants the host reads back (apa_gpu/launch.py) instead of recomputing them:
-// dynamic shared memory of pass 1, of pass 2 without its hot-mask words and those words per
-// mask word W (merge.cuh), and the trace record sizes (checked against apa_emu.trace's dtypes).
-extern "C" __device__ const int apa_layout[5] = {P1_SMEM_BYTES, P2_SMEM_BYTES, P2_SMEM_WORDS, VISIT_BYTES,
-                                                 ROW_BYTES};
+// Constants the host reads back (apa_gpu/device.py Layout) instead of repeating them: the CTA's
+// warps and the tile (§6.2, §6.3), the prep-statistics block and its keys per chunk, the dynamic
+// shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
+// and the trace record sizes (checked against apa_emu.trace's dtypes).
+APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES);
+
+APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
+                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset));
+APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
+                  APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
+                  APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),
+                  APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, khat),
+                  APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
+                  APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
+                  APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
+                  APA_FIELD(PrepParams, interleaved));
+APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
+                  APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, part),
+                  APA_FIELD(Pass1Args, ml), APA_FIELD(Pass1Args, hot), APA_FIELD(Pass1Args, trace_visits),
+                  APA_FIELD(Pass1Args, visit_base), APA_FIELD(Pass1Args, eps), APA_FIELD(Pass1Args, delta),
+                  APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
+                  APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
+                  APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p));
+APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
+                  APA_FIELD(Pass2Args, sh), APA_FIELD(Pass2Args, part), APA_FIELD(Pass2Args, ml),
+                  APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, trace_rows),
+                  APA_FIELD(Pass2Args, row_base), APA_FIELD(Pass2Args, qmul), APA_FIELD(Pass2Args, all_hot));
+APA_PARAMS_LAYOUT(Pass1Params, APA_FIELD(Pass1Params, sz), APA_FIELD(Pass1Params, pass1));
+APA_PARAMS_LAYOUT(Pass2Params, APA_FIELD(Pass2Params, sz), APA_FIELD(Pass2Params, pass2));
+APA_PARAMS_LAYOUT(FusedParams, APA_FIELD(FusedParams, sz), APA_FIELD(FusedParams, B),
+                  APA_FIELD(FusedParams, counters), APA_FIELD(FusedParams, flags), APA_FIELD(FusedParams, pass1),
+                  APA_FIELD(FusedParams, pass2));

@@ -33,6 +33,11 @@ constexpr int ROWS_PER_CTA = 16 * WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
 
+// The basic sizes of one call, as every kernel's parameter struct carries them (apa.cu).
+struct GeomSizes {
+    int n, H, Hkv, S, q_offset;
+};
+
 // Runtime geometry of one call (numerics.md §6.1-6.3), derived from the basic sizes.
 struct Geom {
     int n, H, Hkv, G, S, q_offset;
@@ -42,8 +47,8 @@ struct Geom {
     int ntkv;   // tiles: ceil(S / 64)
     int W;      // hot-mask words per warp: ceil(ntkv / 32)
 
-    __device__ __forceinline__ Geom(int n_, int H_, int Hkv_, int S_, int q_offset_)
-        : n(n_), H(H_), Hkv(Hkv_), G(H_ / Hkv_), S(S_), q_offset(q_offset_) {
+    __device__ __forceinline__ explicit Geom(const GeomSizes& s)
+        : n(s.n), H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), S(s.S), q_offset(s.q_offset) {
         R = n * G;
         nw = (R + 15) / 16;
         Rp = 16 * nw;
@@ -97,6 +102,13 @@ __device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
     x.wlast = min(qb * WARPS + WARPS - 1, geo.nw - 1);
     x.Tmax = geo.last_tile(x.wlast);
     return x;
+}
+
+// The tile of step i of the CTA's visiting order (§6.4) over tiles 0 .. Tmax: diagonal (0, Tmax,
+// Tmax - 1, ..., 1) or ascending. A warp skips the steps past its own T_w, which leaves it exactly
+// its own order.
+__device__ __forceinline__ int visit_tile(int i, int Tmax, bool ascending) {
+    return (ascending || i == 0) ? i : Tmax + 1 - i;
 }
 
 // Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are

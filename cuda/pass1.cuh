@@ -132,10 +132,35 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
     }
 }
 
+// One per-row field of a visit record (§10): rows g and g + 8, padding rows +0.
 __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, float lo, float hi, bool vlo, bool vhi) {
     float* f = reinterpret_cast<float*>(rec + field);
     f[g] = vlo ? lo : 0.0f;
     f[g + 8] = vhi ? hi : 0.0f;
+}
+
+// §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf.
+template <int NDN>
+__device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
+                                          const float (&o)[NDN][4], float m_lo, float m_hi, float lc_lo,
+                                          float lc_hi) {
+    const float kf = a.Kf;
+    const float vk = fmul(a.scales[bh * 2 + 1], kf);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? wr.r_hi : wr.r_lo;
+        if (!(half ? wr.v_hi : wr.v_lo)) continue;
+        float* prow = a.part + (bh * geo.Rp + r) * D;
+#pragma unroll
+        for (int dn = 0; dn < NDN; ++dn) {
+            float2 val = make_float2(fmul(o[dn][2 * half], vk), fmul(o[dn][2 * half + 1], vk));
+            *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
+        }
+        if (wr.t0 == 0) {
+            a.ml[(bh * geo.Rp + r) * 2 + 0] = half ? m_hi : m_lo;
+            a.ml[(bh * geo.Rp + r) * 2 + 1] = fmul(half ? lc_hi : lc_lo, kf);
+        }
+    }
 }
 
 // One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see TileRing::reset.
@@ -144,29 +169,28 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     constexpr int NKS = D / 16;   // channel k-steps
     constexpr int NDN = D / 8;    // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
-    const auto [lane, wl, g, t0, w, row0, warp_active, r_lo, r_hi, v_lo, v_hi, lim_lo, lim_hi, Tw, wlast, Tmax] =
-        warp_rows(geo, qb);
+    const WarpRows wr = warp_rows(geo, qb);
     const bool inter = a.interleaved != 0;
-    const float lg2_lane = lg2_table(lane < 9 ? lane : 0);
+    const float lg2_lane = lg2_table(wr.lane < 9 ? wr.lane : 0);
     TileRing<P1_STAGES> ring(smem);
     ring.reset(fresh);
     __syncthreads();
 
     // Q̂ of the warp's 16 rows into its warpgroup's image (§7.1), c_q per row. Rows of warps past
     // the CTA's rows are zero: the warpgroup's wgmma reads them too.
-    const int wrow = 16 * (wl & 3);                    // the warp's first row in the image
-    uint16_t* Qg = ring.tail() + (wl >> 2) * 64 * D;  // the warpgroup's image
+    const int wrow = 16 * (wr.wl & 3);                    // the warp's first row in the image
+    uint16_t* Qg = ring.tail() + (wr.wl >> 2) * 64 * D;  // the warpgroup's image
     float cq_lo = 1.0f, cq_hi = 1.0f;
     {
-        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + (warp_active ? row0 : 0)) * D;  // padded to Rp
-        for (int c = lane; c < 16 * (D / 8); c += 32) {
+        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
+        for (int c = wr.lane; c < 16 * (D / 8); c += 32) {
             const int row = c / (D / 8), col = (c % (D / 8)) * 8;
             cp_async16(Qg + sw128_half(wrow + row, col, 64),
-                       qsrc + (size_t)row * D + col, warp_active ? 16u : 0u);
+                       qsrc + (size_t)row * D + col, wr.warp_active ? 16u : 0u);
         }
-        if (warp_active) {
-            cq_lo = a.cq[bh * geo.Rp + r_lo];
-            cq_hi = a.cq[bh * geo.Rp + r_hi];
+        if (wr.warp_active) {
+            cq_lo = a.cq[bh * geo.Rp + wr.r_lo];
+            cq_hi = a.cq[bh * geo.Rp + wr.r_hi];
         }
     }
     cp_async_commit();
@@ -178,22 +202,19 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     int visit = 0;
     [[maybe_unused]] uint8_t* trace_base = nullptr;
 #if APA_TRACE
-    if (warp_active) {
-        const int vb = a.visit_base[bh * geo.nw + w];
+    if (wr.warp_active) {
+        const int vb = a.visit_base[bh * geo.nw + wr.w];
         if (vb >= 0) trace_base = a.trace_visits + (size_t)vb * VISIT_BYTES;
     }
 #endif
 
     const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
-    // The CTA's tile sequence (§6.4): step i visits tile_of(i); warps skip t > T_w.
-    const int tmax = Tmax;  // (a lambda may not capture a structured binding before C++20)
-    auto tile_of = [&](int i) { return (a.ascending || i == 0) ? i : tmax + 1 - i; };
     auto load = [&](int i) {  // the tile images of prep, keys >= S zero
-        const size_t base = (size_t)tile_of(i) * TILE * D;
+        const size_t base = (size_t)visit_tile(i, wr.Tmax, a.ascending) * TILE * D;
         ring.load_images(i, khat_bh + base, vhat_bh + base);
     };
-    if (wl < P1_STAGES && wl <= Tmax) load(wl);
+    if (wr.wl < P1_STAGES && wr.wl <= wr.Tmax) load(wr.wl);
     // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
     cp_async_wait<0>();
     fence_proxy_async();
@@ -218,22 +239,22 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
     issue_scores(0);
-    for (int i = 0; i <= Tmax; ++i) {
-        const int t = tile_of(i);
+    for (int i = 0; i <= wr.Tmax; ++i) {
+        const int t = visit_tile(i, wr.Tmax, a.ascending);
         wg_wait<0>();
-        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= Tmax) load(i - 1 + P1_STAGES);
+        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= wr.Tmax) load(i - 1 + P1_STAGES);
         const WgOperand Vop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
-        if (warp_active && t <= Tw) {
+        if (wr.warp_active && t <= wr.Tw) {
             // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
-            if (t * TILE + TILE - 1 > min(lim_lo, lim_hi)) {
+            if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi)) {
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int key = t * TILE + slot_key(8 * nt + 2 * t0 + e, inter);
-                        if (key > lim_lo) s[nt][e] = neg_inf();
-                        if (key > lim_hi) s[nt][2 + e] = neg_inf();
+                        const int key = t * TILE + slot_key(8 * nt + 2 * wr.t0 + e, inter);
+                        if (key > wr.lim_lo) s[nt][e] = neg_inf();
+                        if (key > wr.lim_hi) s[nt][2 + e] = neg_inf();
                     }
                 }
             }
@@ -252,15 +273,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             }
             const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
             const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
-            const bool trig = __any_sync(0xFFFFFFFFu, (v_lo && mx_lo > fadd(m_lo, a.tau)) ||
-                                                          (v_hi && mx_hi > fadd(m_hi, a.tau)));
+            const bool trig = __any_sync(0xFFFFFFFFu, (wr.v_lo && mx_lo > fadd(m_lo, a.tau)) ||
+                                                          (wr.v_hi && mx_hi > fadd(m_hi, a.tau)));
             const float c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
             const float c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
             // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
             // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
             float my_sc_lo, my_sc_hi;
-            const float gsel_lo = t0 == 0 ? gm_lo[0] : t0 == 1 ? gm_lo[1] : t0 == 2 ? gm_lo[2] : gm_lo[3];
-            const float gsel_hi = t0 == 0 ? gm_hi[0] : t0 == 1 ? gm_hi[1] : t0 == 2 ? gm_hi[2] : gm_hi[3];
+            const float gsel_lo = wr.t0 == 0 ? gm_lo[0] : wr.t0 == 1 ? gm_lo[1] : wr.t0 == 2 ? gm_lo[2] : gm_lo[3];
+            const float gsel_hi = wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi);
             float tl4[4];  // §7.6 tile row sums
@@ -272,8 +293,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             // §7.7 hot test (warp vote over valid rows).
             const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
             const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-            const bool hp_lo = v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
-            const bool hp_hi = v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
+            const bool hp_lo = wr.v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
+            const bool hp_hi = wr.v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
             const bool hot = __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
             if (hot) {
                 // §7.8 hot branch.
@@ -285,7 +306,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
                 la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
                 la_hi = fadd(la_hi, fmul(tl_hi, b_hi));
-                if (lane == 0) atomicOr(a.hot + (bh * geo.nw + w) * geo.W + (t >> 5), 1u << (t & 31));
+                if (wr.lane == 0) atomicOr(a.hot + (bh * geo.nw + wr.w) * geo.W + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
@@ -300,17 +321,17 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #if APA_TRACE
             if (trace_base != nullptr) {
                 uint8_t* rec = trace_base + (size_t)visit * VISIT_BYTES;
-                if (lane == 0) {
+                if (wr.lane == 0) {
                     int* hdr = reinterpret_cast<int*>(rec);
-                    hdr[0] = b; hdr[1] = hk; hdr[2] = w; hdr[3] = visit; hdr[4] = t;
+                    hdr[0] = b; hdr[1] = hk; hdr[2] = wr.w; hdr[3] = visit; hdr[4] = t;
                     hdr[5] = hot ? 1 : 0;  // hot (u1) and the 3 padding bytes
                 }
-                if (t0 == 0) {
-                    p1_trace_rows(rec, VISIT_C, g, c_lo, c_hi, v_lo, v_hi);
-                    p1_trace_rows(rec, VISIT_M, g, m_lo, m_hi, v_lo, v_hi);
-                    p1_trace_rows(rec, VISIT_TL, g, tl_lo, tl_hi, v_lo, v_hi);
-                    p1_trace_rows(rec, VISIT_LA, g, la_lo, la_hi, v_lo, v_hi);
-                    p1_trace_rows(rec, VISIT_LC, g, lc_lo, lc_hi, v_lo, v_hi);
+                if (wr.t0 == 0) {
+                    p1_trace_rows(rec, VISIT_C, wr.g, c_lo, c_hi, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_M, wr.g, m_lo, m_hi, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_TL, wr.g, tl_lo, tl_hi, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_LA, wr.g, la_lo, la_hi, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_LC, wr.g, lc_lo, lc_hi, wr.v_lo, wr.v_hi);
                 }
             }
 #endif
@@ -323,30 +344,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
         wg_commit();
-        if (i < Tmax) issue_scores(i + 1);
+        if (i < wr.Tmax) issue_scores(i + 1);
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
-    // §7.10 export.
-    if (warp_active) {
-        const float kf = a.Kf;
-        const float vk = fmul(a.scales[bh * 2 + 1], kf);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = half ? r_hi : r_lo;
-            if (!(half ? v_hi : v_lo)) continue;
-            float* prow = a.part + (bh * geo.Rp + r) * D;
-#pragma unroll
-            for (int dn = 0; dn < NDN; ++dn) {
-                float2 val = make_float2(fmul(o[dn][2 * half], vk), fmul(o[dn][2 * half + 1], vk));
-                *reinterpret_cast<float2*>(prow + 8 * dn + 2 * t0) = val;
-            }
-            if (t0 == 0) {
-                a.ml[(bh * geo.Rp + r) * 2 + 0] = half ? m_hi : m_lo;
-                a.ml[(bh * geo.Rp + r) * 2 + 1] = fmul(half ? lc_hi : lc_lo, kf);
-            }
-        }
-    }
+    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, lc_lo, lc_hi);
 }
 
 }  // namespace apa

@@ -104,7 +104,7 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
     }
 }
 
-// §5.4 K̂ per key and 16-channel block. One thread per (tile slot row, block):
+// §5.4 K̂ per key and 16-channel block, as FP16 (§5.6). One thread per (tile slot row, block):
 // grid (ceil(ntkv*64*D/16 / 128), Hkv, B), block 128.
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
@@ -140,8 +140,8 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb + 8, TILE)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// §5.5 V̂ per channel and P group of 16 keys (slot order). One thread per (tile, group, channel):
-// grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
+// §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per
+// (tile, group, channel): grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, const Geom& g, bool quant, bool lsq,
                                        bool interleaved) {
@@ -208,8 +208,8 @@ __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const 
     *reinterpret_cast<uint4*>(vimg + dst) = vc;
 }
 
-// §5.3 Q̂, c_q and the row shift sh. D/16 threads per packed row (one per 16-channel block):
-// grid (ceil(Rp * D/16 / 128), Hkv, B), block 128.
+// §5.3 Q̂ (as FP16, §5.6), c_q and the row shift sh. D/16 threads per packed row (one per
+// 16-channel block): grid (ceil(Rp * D/16 / 128), Hkv, B), block 128.
 // q_mode: 0 = NVFP4 (q_terms 1 or 2), 1 = FP8 E4M3, 2 = quantization off.
 __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ qhat,

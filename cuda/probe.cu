@@ -5,10 +5,50 @@
 #include "fpmath.cuh"
 #include "formats.cuh"
 #include "mma.cuh"
+#include "params.cuh"
 
 using namespace apa;
 
-// One warp per tile: A [16][16] row-major (binary16 bits), B [8][16] (B[n][k]), C [16][8], D [16][8].
+// One tile per warp: A [16][16] row-major (binary16 bits), B [8][16] (B[n][k]), C and D [16][8] of
+// C_T (float or binary16 bits).
+template <typename C_T>
+struct ProbeMmaParams {
+    const uint16_t* A;
+    const uint16_t* B;
+    const C_T* C;
+    C_T* D;
+    int ntiles;
+};
+using ProbeMmaF32Params = ProbeMmaParams<float>;
+using ProbeMmaF16Params = ProbeMmaParams<uint16_t>;
+
+struct ProbeExp2Params {
+    const float* x;
+    float* y;
+    long long count;
+    int mode;
+};
+
+struct ProbeCodesParams {
+    const float* x;
+    uint8_t* e2m1;
+    uint8_t* e4m3;
+    long long count;
+};
+
+struct ProbeQuant16Params {
+    const float* x;
+    uint8_t* codes;
+    uint8_t* sb;
+    long long nblocks;
+    int lsq;
+};
+
+struct ProbeTablesParams {
+    float* lg2;
+    float* dec;
+};
+
 __device__ __forceinline__ void probe_frags(const uint16_t* A, const uint16_t* B, uint32_t (&a)[4], uint32_t& b0,
                                             uint32_t& b1) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
@@ -21,35 +61,33 @@ __device__ __forceinline__ void probe_frags(const uint16_t* A, const uint16_t* B
     b1 = pk(B[g * 16 + 2 * t0 + 8], B[g * 16 + 2 * t0 + 9]);
 }
 
-extern "C" __global__ void apa_probe_mma_f32(const uint16_t* A, const uint16_t* B, const float* C, float* Dout,
-                                             int ntiles) {
+extern "C" __global__ void apa_probe_mma_f32(const __grid_constant__ ProbeMmaF32Params p) {
     const int tile = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    if (tile >= ntiles) return;
+    if (tile >= p.ntiles) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
     uint32_t a[4], b0, b1;
-    probe_frags(A + (size_t)tile * 256, B + (size_t)tile * 128, a, b0, b1);
-    const float* c = C + (size_t)tile * 128;
+    probe_frags(p.A + (size_t)tile * 256, p.B + (size_t)tile * 128, a, b0, b1);
+    const float* c = p.C + (size_t)tile * 128;
     float acc[4] = {c[g * 8 + 2 * t0], c[g * 8 + 2 * t0 + 1], c[(g + 8) * 8 + 2 * t0], c[(g + 8) * 8 + 2 * t0 + 1]};
     mma_f32_acc(acc, a, b0, b1);
-    float* d = Dout + (size_t)tile * 128;
+    float* d = p.D + (size_t)tile * 128;
     d[g * 8 + 2 * t0] = acc[0];
     d[g * 8 + 2 * t0 + 1] = acc[1];
     d[(g + 8) * 8 + 2 * t0] = acc[2];
     d[(g + 8) * 8 + 2 * t0 + 1] = acc[3];
 }
 
-extern "C" __global__ void apa_probe_mma_f16(const uint16_t* A, const uint16_t* B, const uint16_t* C,
-                                             uint16_t* Dout, int ntiles) {
+extern "C" __global__ void apa_probe_mma_f16(const __grid_constant__ ProbeMmaF16Params p) {
     const int tile = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    if (tile >= ntiles) return;
+    if (tile >= p.ntiles) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
     uint32_t a[4], b0, b1;
-    probe_frags(A + (size_t)tile * 256, B + (size_t)tile * 128, a, b0, b1);
-    const uint16_t* c = C + (size_t)tile * 128;
+    probe_frags(p.A + (size_t)tile * 256, p.B + (size_t)tile * 128, a, b0, b1);
+    const uint16_t* c = p.C + (size_t)tile * 128;
     uint32_t acc[2] = {(uint32_t)c[g * 8 + 2 * t0] | ((uint32_t)c[g * 8 + 2 * t0 + 1] << 16),
                        (uint32_t)c[(g + 8) * 8 + 2 * t0] | ((uint32_t)c[(g + 8) * 8 + 2 * t0 + 1] << 16)};
     mma_f16_acc(acc, a, b0, b1);
-    uint16_t* d = Dout + (size_t)tile * 128;
+    uint16_t* d = p.D + (size_t)tile * 128;
     d[g * 8 + 2 * t0] = (uint16_t)(acc[0] & 0xFFFFu);
     d[g * 8 + 2 * t0 + 1] = (uint16_t)(acc[0] >> 16);
     d[(g + 8) * 8 + 2 * t0] = (uint16_t)(acc[1] & 0xFFFFu);
@@ -58,38 +96,54 @@ extern "C" __global__ void apa_probe_mma_f16(const uint16_t* A, const uint16_t* 
 
 // exp2s (mode 0), ex2.approx.ftz (mode 1), exp2s_core (mode 2, x in [0, 1)) or exp2s_nonpos (mode 3,
 // x ≤ 0) of every element.
-extern "C" __global__ void apa_probe_exp2(const float* x, float* y, long long count, int mode) {
+extern "C" __global__ void apa_probe_exp2(const __grid_constant__ ProbeExp2Params p) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < count)
-        y[i] = mode == 3 ? exp2s_nonpos(x[i]) : mode == 2 ? exp2s_core(x[i]) : mode ? exp2_hw(x[i]) : exp2s(x[i]);
+    if (i < p.count) {
+        const float x = p.x[i];
+        p.y[i] = p.mode == 3 ? exp2s_nonpos(x) : p.mode == 2 ? exp2s_core(x) : p.mode ? exp2_hw(x) : exp2s(x);
+    }
 }
 
 // E2M1 code and E4M3 code of every binary32 element.
-extern "C" __global__ void apa_probe_codes(const float* x, uint8_t* e2m1, uint8_t* e4m3, long long count) {
+extern "C" __global__ void apa_probe_codes(const __grid_constant__ ProbeCodesParams p) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < count) {
-        e2m1[i] = (uint8_t)e2m1_code(x[i]);
-        e4m3[i] = (uint8_t)e4m3_code(x[i]);
+    if (i < p.count) {
+        p.e2m1[i] = (uint8_t)e2m1_code(p.x[i]);
+        p.e4m3[i] = (uint8_t)e4m3_code(p.x[i]);
     }
 }
 
 // quant16 of each block of 16 binary32 values: codes [nblocks][16], sb [nblocks].
-extern "C" __global__ void apa_probe_quant16(const float* x, uint8_t* codes, uint8_t* sb, long long nblocks,
-                                             int lsq) {
+extern "C" __global__ void apa_probe_quant16(const __grid_constant__ ProbeQuant16Params p) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= nblocks) return;
+    if (i >= p.nblocks) return;
     float v[16];
     uint32_t c[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) v[j] = x[i * 16 + j];
-    sb[i] = (uint8_t)quant16(v, c, lsq != 0);
+    for (int j = 0; j < 16; ++j) v[j] = p.x[i * 16 + j];
+    p.sb[i] = (uint8_t)quant16(v, c, p.lsq != 0);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) codes[i * 16 + j] = (uint8_t)c[j];
+    for (int j = 0; j < 16; ++j) p.codes[i * 16 + j] = (uint8_t)c[j];
 }
 
 // The LG2 table (9 entries) and UE4M3 dec of codes 0..0x7E.
-extern "C" __global__ void apa_probe_tables(float* lg2, float* dec) {
+extern "C" __global__ void apa_probe_tables(const __grid_constant__ ProbeTablesParams p) {
     const int i = threadIdx.x;
-    if (i < 9) lg2[i] = lg2_table(i);
-    if (i < 0x7F) dec[i] = ue4m3_dec((uint32_t)i);
+    if (i < 9) p.lg2[i] = lg2_table(i);
+    if (i < 0x7F) p.dec[i] = ue4m3_dec((uint32_t)i);
 }
+
+APA_PARAMS_LAYOUT(ProbeMmaF32Params, APA_FIELD(ProbeMmaF32Params, A), APA_FIELD(ProbeMmaF32Params, B),
+                  APA_FIELD(ProbeMmaF32Params, C), APA_FIELD(ProbeMmaF32Params, D),
+                  APA_FIELD(ProbeMmaF32Params, ntiles));
+APA_PARAMS_LAYOUT(ProbeMmaF16Params, APA_FIELD(ProbeMmaF16Params, A), APA_FIELD(ProbeMmaF16Params, B),
+                  APA_FIELD(ProbeMmaF16Params, C), APA_FIELD(ProbeMmaF16Params, D),
+                  APA_FIELD(ProbeMmaF16Params, ntiles));
+APA_PARAMS_LAYOUT(ProbeExp2Params, APA_FIELD(ProbeExp2Params, x), APA_FIELD(ProbeExp2Params, y),
+                  APA_FIELD(ProbeExp2Params, count), APA_FIELD(ProbeExp2Params, mode));
+APA_PARAMS_LAYOUT(ProbeCodesParams, APA_FIELD(ProbeCodesParams, x), APA_FIELD(ProbeCodesParams, e2m1),
+                  APA_FIELD(ProbeCodesParams, e4m3), APA_FIELD(ProbeCodesParams, count));
+APA_PARAMS_LAYOUT(ProbeQuant16Params, APA_FIELD(ProbeQuant16Params, x), APA_FIELD(ProbeQuant16Params, codes),
+                  APA_FIELD(ProbeQuant16Params, sb), APA_FIELD(ProbeQuant16Params, nblocks),
+                  APA_FIELD(ProbeQuant16Params, lsq));
+APA_PARAMS_LAYOUT(ProbeTablesParams, APA_FIELD(ProbeTablesParams, lg2), APA_FIELD(ProbeTablesParams, dec));

@@ -1,17 +1,22 @@
 """CPU-side checks of the kernel build (no GPU needed): ``cuda/`` compiles for sm_90 with the local
 nvcc and the flags numerics.md §1 requires, with no fused multiply-add, no flush-to-zero and no
-approximate instruction in the bit-exact variants. Skipped when nvcc is absent."""
+approximate instruction in the bit-exact variants; every entry point takes the one struct the host
+describes, laid out as the host lays it out; the head dims are those the sources allow. Skipped
+when nvcc is absent."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from apa_gpu import build
+from apa_emu.geometry import HEAD_DIMS
+from apa_gpu import build, device, params, probes
 
 try:
     NVCC = build.find_nvcc()
@@ -42,17 +47,54 @@ def test_every_variant_compiles(variant):
         build.compile_to(variant, Path(td) / "k.cubin")
 
 
+@lru_cache(maxsize=None)
+def _ptx(variant) -> str:
+    src, defines, _ = build._source_and_defines(variant)
+    with tempfile.TemporaryDirectory() as td:
+        out = Path(td) / "k.ptx"
+        cmd = [NVCC, *[f for f in build.FLAGS if f != "-cubin"], "-ptx", *defines, "-o", str(out), str(src)]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return out.read_text()
+
+
+def _tables(ptx: str) -> dict[str, tuple[int, ...]]:
+    """The int tables of cuda/params.cuh APA_EXPORT_INTS as the PTX initialises them."""
+    tables = {}
+    for name, size, init in re.findall(r"\.b8 (apa_\w+)\[(\d+)\] = \{([^}]*)\}", ptx):
+        raw = bytes(int(b) for b in init.split(",")).ljust(int(size), b"\0")  # trailing zeros are left out
+        ints = np.frombuffer(raw, "<i4")
+        tables[name] = tuple(int(x) for x in ints[1: 1 + ints[0]])
+    return tables
+
+
+@pytest.mark.parametrize("variant", [build.PROBE, *QUICK], ids=lambda v: getattr(v, "name", str(v)))
+def test_entry_points_take_the_host_structs(variant):
+    """Each entry point has one parameter, of its host struct's size, and every struct's exported
+    layout equals the host's (apa_gpu.device refuses to launch otherwise)."""
+    ptx = _ptx(variant)
+    kernels = probes.KERNELS if variant == build.PROBE else params.KERNELS
+    entries = dict(re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx))
+    assert set(entries) == set(kernels)
+    tables = _tables(ptx)
+    for name, struct in kernels.items():
+        assert re.findall(r"\.param .*\[(\d+)\]", entries[name]) == [str(struct.dtype.itemsize)], name
+        device.check_struct(tables.__getitem__, struct)
+    if variant != build.PROBE:
+        device.check_layout(tables["apa_layout"], variant)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_head_dims_are_those_the_sources_allow(d):
+    cmd = [NVCC, "-E", "-std=c++17", f"-DAPA_D={d}", "-o", "/dev/null", str(build.CUDA_DIR / "apa.cu")]
+    assert (subprocess.run(cmd, capture_output=True).returncode == 0) == (d in build.SUPPORTED_D)
+
+
 @pytest.mark.parametrize("variant", QUICK, ids=lambda v: v.name)
 def test_ptx_has_no_fma_ftz_or_approx(variant):
     """numerics.md §1.1–1.2: every binary32 operation is a single rounding without flush; the only
     fused operations are the binary16 fma of quant16 (§4.4) and the exact FMAs of the P' thresholds
     (§7.5); MUFU only in the fast exp2 variant."""
-    with tempfile.TemporaryDirectory() as td:
-        out = Path(td) / "k.ptx"
-        cmd = [NVCC, *[f for f in build.FLAGS if f != "-cubin"], "-ptx", *variant.defines(), "-o", str(out),
-               str(build.CUDA_DIR / "apa.cu")]
-        subprocess.run(cmd, check=True, capture_output=True)
-        ptx = out.read_text()
+    ptx = _ptx(variant)
     ops = re.findall(r"^\s+([a-z][a-z0-9_.]*)", ptx, flags=re.M)
     fused = {o for o in ops if o.startswith("fma") and o != "fma.rn.f16"}
     # The only binary32 FMAs: formats.cuh e2m1_exp2s_scaled (§7.5), 7 saturated steps and 2 exact

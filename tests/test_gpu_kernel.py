@@ -4,7 +4,8 @@ Hypothesis draws shapes (batch, GQA ratio, head dim, rows, keys, query offset), 
 (normal, sink, diffuse, outliers, channel offsets, tiny/subnormal, FP16 range edges) and the config
 toggles the kernel implements. On a mismatch the test names the first divergent record
 (b, hk, warp, visit, field) or row (b, hk, row, field) with both values, and saves the example as a
-reproducer: ``python -m apa_gpu.replay FILE.npz`` replays it. Marked ``gpu``.
+reproducer: ``python -m apa_gpu.replay FILE.npz`` replays it. Marked ``gpu``; what the CPU simulator
+cannot check or would take hours over is also marked ``hardware``.
 
 Knobs: APA_GPU_EXAMPLES (Hypothesis examples per property, default 40), APA_GPU_REPRO_DIR.
 """
@@ -21,11 +22,11 @@ from hypothesis import strategies as st
 import apa_emu
 from apa_emu.config import Config
 
-pytestmark = pytest.mark.gpu
-cupy = pytest.importorskip("cupy")
+import apa_gpu
+from apa_gpu import device
+from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
 
-import apa_gpu  # noqa: E402
-from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("APA_GPU_EXAMPLES", "40"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
@@ -178,11 +179,12 @@ def test_fused_schedule_matches(problem, cfg):
                              f"reproducer: {path}")
 
 
-def test_cupy_inputs_and_errors():
+def test_device_inputs_and_errors():
+    xp = device.backend().xp
     q, k, v = make_inputs(7, 1, 33, 2, 2, 64, 150, "normal", batched=False)
     cfg = Config()
     ref = apa_gpu.attention(q, k, v, 117, cfg)
-    dev = apa_gpu.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), 117, cfg)
+    dev = apa_gpu.attention(xp.asarray(q), xp.asarray(k), xp.asarray(v), 117, cfg)
     assert ref.out.tobytes() == dev.out.tobytes()
     bad = q.copy()
     bad[3, 1, 5] = np.inf
@@ -193,12 +195,13 @@ def test_cupy_inputs_and_errors():
             apa_gpu.attention(*args, cfg)
         assert str(e_emu.value) == str(e_gpu.value)
         with pytest.raises(ValueError) as e_dev:
-            apa_gpu.attention(*(cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args), cfg)
+            apa_gpu.attention(*(xp.asarray(a) if isinstance(a, np.ndarray) else a for a in args), cfg)
         assert str(e_dev.value) == str(e_emu.value)
     with pytest.raises(NotImplementedError):
         apa_gpu.attention(q, k, v, 117, Config(mma="exact"))
 
 
+@pytest.mark.hardware  # the simulator runs CTAs one after another: determinism is by construction
 @pytest.mark.parametrize("schedule", ["separate", "fused"])
 def test_deterministic_reruns(schedule):
     q, k, v = make_inputs(11, 1, 512, 2, 4, 128, 4096, "sink", batched=False)
@@ -224,6 +227,7 @@ def test_builtin_smollm2_dump():
     assert div is None, describe(div)
 
 
+@pytest.mark.hardware  # hours on the simulator
 def test_synthetic_llama_32k():
     """A synthetic Llama-3.2-3B-shaped problem (24/8 heads, d = 128) at 32768 keys: the whole
     output on the GPU, the emulator on a sample of warps (every KV head, rows across the block),
@@ -249,6 +253,7 @@ def test_synthetic_llama_32k():
     assert div is None, describe(div)
 
 
+@pytest.mark.hardware  # ex2.approx
 @pytest.mark.parametrize("d", [64, 128])
 def test_fast_mode_tolerance(d):
     """exp2 'fast' (hardware ex2.approx) against the emulator's fast model: not bitwise (numerics.md

@@ -5,7 +5,7 @@ For each key count: prep time and attention time (pass 1 + pass 2 + merge) of th
 cuDNN backends (lower-right causal, GQA) on the same inputs, all in one run. Inputs are the
 synthetic Llama-3.2-3B-shaped problems of ``apa_emu.study.synth`` (real-like: sink, RoPE locality,
 diffuse heads, channel offsets, outliers). Times are medians of ``--reps`` CUDA-event timings after
-warm-up. Prints a markdown table (and writes it to ``--out`` if given).
+warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to ``--out`` if given).
 
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
@@ -26,14 +26,20 @@ from apa_emu.config import Config  # noqa: E402
 from apa_emu.study.synth import synthetic_preset  # noqa: E402
 
 
-def _time_cupy(fn, reps, warmup=2):
+L2_FLUSH_BYTES = 256 << 20  # more than the H200's 50 MB of L2
+
+
+def _time(fn, reps, warmup=2):
+    """Median ms of ``fn`` over ``reps`` CUDA-event timings on the current CuPy stream, each after
+    overwriting a buffer larger than L2, so that no repetition finds the previous one's data there."""
     import cupy as cp
 
+    flush = cp.empty(L2_FLUSH_BYTES, np.uint8)
     for _ in range(warmup):
         fn()
-    cp.cuda.get_current_stream().synchronize()
     times = []
     for _ in range(reps):
+        flush.fill(0)
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
         fn()
@@ -43,46 +49,29 @@ def _time_cupy(fn, reps, warmup=2):
     return float(np.median(times))
 
 
-def _time_torch(fn, reps, warmup=2):
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
 def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate"):
     import cupy as cp
 
-    from apa_gpu.launch import Plan, Shape
+    from apa_emu.geometry import Shape
+    from apa_gpu.plan import Plan
 
     qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset), cfg, schedule=schedule)
-    t_prep = _time_cupy(lambda: plan.prep(qd, kd, vd), reps)
+    t_prep = _time(lambda: plan.prep(qd, kd, vd), reps)
     plan.prep(qd, kd, vd)
-    t_attn = _time_cupy(lambda: plan.attend(qd), reps)
+    t_attn = _time(lambda: plan.attend(qd), reps)
     cp.cuda.get_current_stream().synchronize()
     hot = plan.hot.get()
-    last = plan.shape.last_tiles()
-    active = plan.shape.Hkv * int((last + 1).sum()) * plan.shape.B
-    share = int(np.unpackbits(hot.view(np.uint8)).sum()) / active
+    share = int(np.unpackbits(hot.view(np.uint8)).sum()) / plan.shape.active_tiles()
     return t_prep, t_attn, share
 
 
 def bench_sdpa(q, k, v, reps):
     """torch SDPA, lower-right causal, flash and cuDNN backends; GQA via enable_gqa when the backend
     takes it, else K/V expanded to every query head outside the timing."""
+    import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -107,7 +96,9 @@ def bench_sdpa(q, k, v, reps):
             try:
                 run()
                 torch.cuda.synchronize()
-                t = (_time_torch(run, reps), "gqa" if gqa else "expanded")
+                # the events and the L2 flush on torch's stream
+                with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                    t = (_time(run, reps), "gqa" if gqa else "expanded")
                 break
             except Exception as e:  # backend refuses this form: try the other
                 err = str(e).splitlines()[0][:80]

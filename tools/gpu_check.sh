@@ -4,6 +4,8 @@
 #   bash tools/gpu_check.sh            # full: build, primitives, MMA probes, kernel vs emulator, real data
 #   QUICK=1 bash tools/gpu_check.sh    # smaller: fewer examples and MMA tiles, no 32k-key problem
 #   GPU_TESTS=tests/test_gpu_mma.py PYTEST_K=probe bash tools/gpu_check.sh   # a subset
+#   APA_GPU_BACKEND=sim QUICK=1 bash tools/gpu_check.sh   # the same on the CPU simulator, without a GPU
+#                                                         # (tests marked hardware are skipped there)
 #
 # Writes logs, a JUnit XML and any reproducers under $OUT (the device tool's output folder) or
 # /tmp/apa_gpu_check, and ends with a short summary. Reproducers replay with
@@ -18,6 +20,7 @@ OUTDIR="${OUT:-/tmp/apa_gpu_check}"
 mkdir -p "$OUTDIR"
 export APA_GPU_CACHE="${APA_GPU_CACHE:-$PWD/.gpu_build}"
 export APA_GPU_REPRO_DIR="$OUTDIR/repro"
+export APA_GPU_BACKEND="${APA_GPU_BACKEND:-cuda}"
 PY="${PYTHON:-python3}"
 QUICK="${QUICK:-0}"
 if [ "$QUICK" = 1 ]; then
@@ -27,7 +30,7 @@ else
   export APA_GPU_EXAMPLES="${APA_GPU_EXAMPLES:-40}" APA_GPU_MMA_TILES="${APA_GPU_MMA_TILES:-100000}"
   KSEL="${PYTEST_K:-}"
 fi
-GPU_TESTS="${GPU_TESTS:-tests/test_gpu_formats.py tests/test_gpu_mma.py tests/test_gpu_kernel.py}"
+GPU_TESTS="${GPU_TESTS:-tests/test_gpu_params.py tests/test_gpu_formats.py tests/test_gpu_mma.py tests/test_gpu_kernel.py}"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 
@@ -35,8 +38,9 @@ stamp "environment"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   "$PY" - <<'EOF'
-import sys, numpy, numba
-print("python", sys.version.split()[0], "numpy", numpy.__version__, "numba", numba.__version__)
+import os, sys, numpy, numba
+print("python", sys.version.split()[0], "numpy", numpy.__version__, "numba", numba.__version__,
+      "backend", os.environ["APA_GPU_BACKEND"])
 try:
     import cupy
     print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion(),

@@ -1,6 +1,6 @@
 // cuda_sim.h: a host (CPU) stand-in for the CUDA built-ins the APA kernels use, so that the very
 // same kernel sources compile with g++ (-DAPA_SIM) into a shared library that apa_gpu can run
-// without a GPU (APA_GPU_SIM=1, see apa_gpu/simshim/). Every GPU thread is a host thread; warp
+// without a GPU (APA_GPU_BACKEND=sim, see apa_gpu/device.py). Every GPU thread is a host thread; warp
 // collectives (shuffles, votes, ldmatrix, mma.sync) exchange values through a per-warp buffer and
 // barrier; __syncthreads is a per-CTA barrier.
 //
@@ -29,6 +29,7 @@
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
+#define __grid_constant__
 
 struct dim3s {
     unsigned x, y, z;

@@ -9,8 +9,6 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
-#include <utility>
 #include <vector>
 
 #include "cuda_sim.h"
@@ -183,31 +181,29 @@ void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
 }
 
 // ---- launching ----------------------------------------------------------------------------
-using Invoker = void (*)(void**);
+// Every kernel takes one parameter struct (cuda/params.cuh); the host passes its bytes and their
+// count, which must be the struct's size.
+using Invoker = void (*)(const void*);
 
-template <typename... A, size_t... I>
-void invoke_impl(void (*f)(A...), void** argv, std::index_sequence<I...>) {
-    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(argv[I])...);
+template <typename P>
+constexpr size_t param_size(void (*)(P)) {
+    return sizeof(P);
 }
 template <auto F>
-void invoker(void** argv) {
-    []<typename... A>(void (*f)(A...), void** av) { invoke_impl(f, av, std::index_sequence_for<A...>{}); }(F, argv);
-}
-template <auto F>
-constexpr int arity() {
-    return []<typename... A>(void (*)(A...)) { return (int)sizeof...(A); }(F);
+void invoker(const void* params) {
+    []<typename P>(void (*f)(P), const void* p) { f(*static_cast<const P*>(p)); }(F, params);
 }
 
 struct Entry {
     const char* name;
     Invoker fn;
-    int nargs;
+    size_t params_size;
 };
 
 // Run a grid, one CTA after another (the fused launch's tickets make that deadlock-free); each
 // CTA's threads run concurrently so that barriers and warp collectives behave as on the GPU.
-int launch(const Entry* table, int ntable, const char* name, int gx, int gy, int gz, int bx, int smem, void** argv,
-           int argc) {
+int launch(const Entry* table, int ntable, const char* name, int gx, int gy, int gz, int bx, int smem,
+           const void* params, size_t params_size) {
     const Entry* e = nullptr;
     for (int i = 0; i < ntable; ++i)
         if (strcmp(table[i].name, name) == 0) e = &table[i];
@@ -215,8 +211,8 @@ int launch(const Entry* table, int ntable, const char* name, int gx, int gy, int
         fprintf(stderr, "apa_sim: unknown kernel %s\n", name);
         return 1;
     }
-    if (e->nargs != argc) {
-        fprintf(stderr, "apa_sim: %s takes %d arguments, got %d\n", name, e->nargs, argc);
+    if (e->params_size != params_size) {
+        fprintf(stderr, "apa_sim: %s takes %zu bytes of parameters, got %zu\n", name, e->params_size, params_size);
         return 2;
     }
     if (bx % 32) {
@@ -240,7 +236,7 @@ int launch(const Entry* table, int ntable, const char* name, int gx, int gy, int
                         t_cta = &cta;
                         t_warp = cta.warps[t / 32].get();
                         t_lane = t % 32;
-                        e->fn(argv);
+                        e->fn(params);
                         t_warp->bar.arrive_and_drop();
                         t_cta->bar.arrive_and_drop();
                     });
@@ -254,10 +250,10 @@ int launch(const Entry* table, int ntable, const char* name, int gx, int gy, int
 
 void __nanosleep(unsigned) { std::this_thread::yield(); }
 
-#define APA_SIM_ENTRY(k) {#k, &apa_sim::invoker<k>, apa_sim::arity<k>()}
+#define APA_SIM_ENTRY(k) {#k, &apa_sim::invoker<k>, apa_sim::param_size(k)}
 #define APA_SIM_EXPORT(table)                                                                                  \
-    extern "C" int apa_sim_launch(const char* name, int gx, int gy, int gz, int bx, int smem, void** argv,   \
-                                  int argc) {                                                                 \
-        return apa_sim::launch(table, (int)(sizeof(table) / sizeof(table[0])), name, gx, gy, gz, bx, smem, argv, \
-                               argc);                                                                         \
+    extern "C" int apa_sim_launch(const char* name, int gx, int gy, int gz, int bx, int smem, const void* params, \
+                                  size_t params_size) {                                                       \
+        return apa_sim::launch(table, (int)(sizeof(table) / sizeof(table[0])), name, gx, gy, gz, bx, smem,      \
+                               params, params_size);                                                          \
     }

@@ -1,0 +1,127 @@
+"""The public entry points: ``attention`` (bitwise equal to ``apa_emu.attention``) and
+``prep_arrays`` (the prep outputs, for localising a mismatch), on NumPy or device arrays."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from apa_emu import trace as tr
+from apa_emu.api import Result, validate
+from apa_emu.config import Config
+from apa_emu.geometry import TILE, Shape
+from apa_emu.prep import slot_keys
+
+from . import device
+from .plan import Plan, check_config
+
+
+def available() -> bool:
+    """True when the selected backend can run (see apa_gpu.device)."""
+    return device.usable()
+
+
+def _as_device(x, xp):
+    """A C-contiguous device array whose start is 16-byte aligned (the kernels' cp.async and vector
+    loads need it; a device view may start anywhere)."""
+    y = xp.ascontiguousarray(xp.asarray(x))
+    return y if device.backend().address(y) % 16 == 0 else y.copy()
+
+
+def _validate_any(q, k, v, q_offset, xp):
+    """apa_emu.validate for host or device inputs; returns (shape, squeeze)."""
+    arrays = (q, k, v)
+    if any(isinstance(x, xp.ndarray) for x in arrays):
+        # Same checks and messages as the emulator: shapes and dtypes through zero-copy NumPy
+        # stand-ins, values on the device; a non-finite array is copied back so that validate()
+        # names the first bad index exactly as the emulator does.
+        proxies = []
+        for x in arrays:
+            if isinstance(x, xp.ndarray):
+                finite = x.dtype == np.float16 and bool(xp.isfinite(x).all())
+                proxies.append(np.broadcast_to(np.zeros((), x.dtype), x.shape) if finite else xp.asnumpy(x))
+            else:
+                proxies.append(x)
+        qb, kb, _, squeeze = validate(*proxies, q_offset)
+    else:
+        qb, kb, _, squeeze = validate(q, k, v, q_offset)
+    B, n, H, d = qb.shape
+    return Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset)), squeeze
+
+
+def _prepare(q, k, v, q_offset, cfg):
+    """(shape, squeeze, batched device q, k, v) of validated inputs."""
+    xp = device.backend().xp
+    shape, squeeze = _validate_any(q, k, v, q_offset, xp)
+    check_config(cfg, shape.d)
+    qd, kd, vd = (_as_device(x, xp) for x in (q, k, v))
+    if squeeze:
+        qd, kd, vd = qd[None], kd[None], vd[None]
+    return shape, squeeze, qd, kd, vd
+
+
+def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace=None,
+              schedule: str | None = None) -> Result:
+    """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
+
+    q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
+    arrays. ``trace``: None, "all" or (b, hk, warp) triples, as the emulator. ``schedule``:
+    "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
+    Returns an apa_emu Result with NumPy arrays.
+    """
+    cfg = config or Config()
+    shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"))
+    plan.run(qd, kd, vd)
+    be = device.backend()
+    be.synchronize()
+    out = be.xp.asnumpy(plan.out).view(np.float16)
+    hot = be.xp.asnumpy(plan.hot)
+    visits, rows = plan.trace_arrays()
+    return Result(
+        out=out[0] if squeeze else out,
+        hot=hot,
+        active_tiles=shape.active_tiles(),
+        hot_tiles=int(np.unpackbits(hot.view(np.uint8)).sum()),
+        config=cfg,
+        visits=visits,
+        rows=rows,
+        meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, device="gpu"),
+    )
+
+
+def _image_index(rows: int, cols: int) -> np.ndarray:
+    """[rows, cols] half offsets of a tile image (cuda/mma.cuh sw128_half: K-major rows of 64
+    halves, 16-byte chunk c of row r at chunk c ^ (r mod 8), every further 64 columns a block)."""
+    r = np.arange(rows)[:, None]
+    c = np.arange(cols)[None, :]
+    return (c // 64) * rows * 64 + r * 64 + (((c // 8) % 8) ^ (r % 8)) * 8 + c % 8
+
+
+def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dict:
+    """Prep outputs (numerics.md §5) as NumPy arrays, laid out like apa_emu.prep.Prepared, for
+    localising a mismatch: kmean [B,Hkv,d], kg, vg [B,Hkv], qhat [B,Hkv,R,d], cq, sh [B,Hkv,R],
+    khat [B,Hkv,T*64,d] (key order), vhat_t [B,Hkv,T,d,64] (slot order), all float32."""
+    cfg = config or Config()
+    s, _, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    plan = Plan(s, cfg, None)
+    plan.prep(qd, kd, vd)
+    be = device.backend()
+    be.synchronize()
+    get = be.xp.asnumpy
+    h = lambda a: get(a).view(np.float16).astype(np.float32)  # noqa: E731
+    slots = slot_keys(cfg.p_groups)
+    khat_slot = h(plan.khat).reshape(s.B, s.Hkv, s.ntiles, TILE * s.d)[..., _image_index(TILE, s.d)]
+    khat = np.empty_like(khat_slot)
+    khat[:, :, :, slots] = khat_slot  # slot j holds key slots[j]
+    vhat = h(plan.vhat).reshape(s.B, s.Hkv, s.ntiles, TILE * s.d)[..., _image_index(s.d, TILE)]
+    sc = get(plan.scales)
+    return dict(
+        kmean=get(plan.kmean), kg=sc[..., 0], vg=sc[..., 1],
+        qhat=h(plan.qhat)[:, :, : s.R], cq=get(plan.cq)[:, :, : s.R], sh=get(plan.sh)[:, :, : s.R],
+        khat=khat.reshape(s.B, s.Hkv, s.ntiles * TILE, s.d), vhat_t=vhat,
+    )
+
+
+__all__ = ["attention", "available", "check_config", "prep_arrays"]

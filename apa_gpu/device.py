@@ -1,0 +1,276 @@
+"""The backend that runs the kernels: its array module, build products, launches and limits.
+
+``APA_GPU_BACKEND`` (apa_gpu/build.py ``backend_name``) chooses one, once per process:
+
+- ``cuda`` (default): CuPy arrays; the nvcc cubins loaded with ``cupy.RawModule(path=)``.
+- ``sim``: the CPU simulator (cuda/sim), for machines without a GPU: NumPy-backed device arrays and
+  the same kernel sources compiled by g++ into a library called through ctypes. It checks
+  everything but the tensor cores, ``ex2.approx`` and real concurrency (tests marked ``hardware``).
+
+Every kernel takes one parameter struct (apa_gpu/params.py). ``kernel()`` checks the struct's dtype
+against the layout the module exports before handing the kernel out; ``launch()`` packs named values
+into it. Launch errors raise at the launch; asynchronous faults raise at the next synchronisation
+(``APA_GPU_SYNC=1`` synchronises after every kernel, so that a fault names its kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from apa_emu import trace as tr
+from apa_emu.geometry import TILE
+
+from .build import PROBE, backend_name, build, find_nvcc
+from . import params
+from .params import Struct
+
+
+class _Cuda:
+    """CuPy on the current CUDA device."""
+
+    name = "cuda"
+
+    def __init__(self):
+        try:
+            import cupy
+        except ImportError as e:  # pragma: no cover - exercised only without CuPy
+            raise RuntimeError("apa_gpu needs CuPy (pip install cupy-cuda13x), or APA_GPU_BACKEND=sim") from e
+        self.xp = cupy
+        dev = cupy.cuda.runtime.getDevice()
+        attributes = cupy.cuda.Device(dev).attributes
+        props = cupy.cuda.runtime.getDeviceProperties(dev)
+        optin = props.get("sharedMemPerBlockOptin", props.get(b"sharedMemPerBlockOptin"))
+        self.smem_optin = int(attributes["MaxSharedMemoryPerBlockOptin"] if optin is None else optin)
+        self.num_sms = int(attributes["MultiProcessorCount"])
+
+    @staticmethod
+    def usable() -> bool:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return False
+            find_nvcc()
+            return True
+        except Exception:
+            return False
+
+    def load(self, path):
+        return self.xp.RawModule(path=str(path))
+
+    def function(self, module, name: str):
+        """The kernel, allowed the device's whole opt-in shared memory (so that every launch's
+        dynamic size, whatever the shape, stays under the function's limit), and that limit."""
+        k = module.get_function(name)
+        k.max_dynamic_shared_size_bytes = self.smem_optin - k.shared_size_bytes
+        return k, k.max_dynamic_shared_size_bytes
+
+    def read_ints(self, module, symbol: str, count: int) -> tuple[int, ...]:
+        ptr = module.get_global(symbol)
+        return tuple(int(x) for x in self.xp.ndarray((count,), np.int32, memptr=ptr).get())
+
+    def launch(self, function, grid: tuple, block: int, params: np.ndarray, smem: int) -> None:
+        # CuPy passes a one-element NumPy array by value: its bytes are the struct.
+        function(grid, (block,), (params,), shared_mem=smem)
+
+    def address(self, a) -> int:
+        if not isinstance(a, self.xp.ndarray) or not a.flags.c_contiguous:
+            raise TypeError(f"apa_gpu: kernels take C-contiguous CuPy arrays, got {type(a).__name__}")
+        return a.data.ptr
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+
+class _SimArray(np.ndarray):
+    """Device memory of the simulator: a NumPy array, told apart from the caller's host arrays."""
+
+
+class _SimArrays:
+    """The simulator's array module: the part of CuPy's API that apa_gpu uses, on NumPy."""
+
+    ndarray = _SimArray
+
+    @staticmethod
+    def asarray(a, dtype=None):
+        # like CuPy: a host array is copied to the device, a device array only converted
+        return (np.asarray(a, dtype) if isinstance(a, _SimArray) else np.array(a, dtype)).view(_SimArray)
+
+    @staticmethod
+    def ascontiguousarray(a, dtype=None):
+        return np.ascontiguousarray(_SimArrays.asarray(a, dtype)).view(_SimArray)
+
+    @staticmethod
+    def zeros(shape, dtype=float):
+        return np.zeros(shape, dtype).view(_SimArray)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        # poisoned like uninitialised device memory, so that a kernel reading before writing shows
+        a = np.empty(shape, dtype)
+        a.view(np.uint8)[...] = 0xA5
+        return a.view(_SimArray)
+
+    isfinite = staticmethod(np.isfinite)
+
+    @staticmethod
+    def asnumpy(a):
+        return np.array(a, copy=True).view(np.ndarray)
+
+
+class _Sim:
+    """The CPU simulator library (cuda/sim/sim_runtime.h ``apa_sim_launch``)."""
+
+    name = "sim"
+    smem_optin = 232448  # an H200's, so that shared-memory limits behave as on the device
+    num_sms = 4  # few persistent CTAs, so that the fused launch reuses each one's tile ring
+
+    def __init__(self):
+        self.xp = _SimArrays()
+
+    @staticmethod
+    def usable() -> bool:
+        return shutil.which(os.environ.get("CXX") or "g++") is not None
+
+    def load(self, path):
+        lib = ctypes.CDLL(str(path))
+        lib.apa_sim_launch.restype = ctypes.c_int
+        lib.apa_sim_launch.argtypes = [ctypes.c_char_p, *[ctypes.c_int] * 5, ctypes.c_void_p, ctypes.c_size_t]
+        return lib
+
+    def function(self, lib, name: str):
+        return (lib, name.encode()), self.smem_optin
+
+    def read_ints(self, lib, symbol: str, count: int) -> tuple[int, ...]:
+        return tuple((ctypes.c_int32 * count).in_dll(lib, symbol))
+
+    def launch(self, function, grid: tuple, block: int, params: np.ndarray, smem: int) -> None:
+        lib, name = function
+        rc = lib.apa_sim_launch(name, *grid, *(1,) * (3 - len(grid)), block, smem, params.ctypes.data, params.nbytes)
+        if rc:
+            raise RuntimeError(f"simulator launch of {name.decode()} failed ({rc})")
+
+    def address(self, a) -> int:
+        if not isinstance(a, _SimArray) or not a.flags.c_contiguous:
+            raise TypeError(f"apa_gpu: kernels take C-contiguous device arrays, got {type(a).__name__}")
+        return a.ctypes.data
+
+    def synchronize(self) -> None:
+        pass
+
+
+_BACKENDS = {"cuda": _Cuda, "sim": _Sim}
+
+
+def usable() -> bool:
+    """Whether the selected backend can run: a CUDA device with CuPy and nvcc, or g++ for the simulator."""
+    return _BACKENDS[backend_name()].usable()
+
+
+@lru_cache(maxsize=None)
+def backend():
+    """The selected backend (``xp``, ``synchronize()``, ``smem_optin``, ``num_sms``, ...)."""
+    return _BACKENDS[backend_name()]()
+
+
+class Layout(NamedTuple):
+    """cuda/apa.cu ``apa_layout``: what the host reads from the kernel instead of repeating it."""
+
+    warps: int  # per CTA (§6.2)
+    tile: int  # keys per tile (§6.3), checked against apa_emu.geometry.TILE
+    stats_threads: int  # block of apa_prep_stats
+    keys_per_chunk: int  # keys per apa_prep_stats block
+    p1_smem: int  # dynamic shared memory of pass 1
+    p2_smem: int  # of pass 2, without its hot-mask words
+    p2_mask_words: int  # pass 2's hot-mask words per mask word W
+    visit_bytes: int  # trace records, checked against apa_emu.trace
+    row_bytes: int
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    struct: Struct
+    function: object
+    max_smem: int  # the dynamic shared memory a launch may take
+
+
+@lru_cache(maxsize=None)
+def _module(variant):
+    return backend().load(build(variant))
+
+
+def _read_table(variant, symbol: str) -> tuple[int, ...]:
+    """The values of an int table the module exports (cuda/params.cuh APA_EXPORT_INTS)."""
+    module, be = _module(variant), backend()
+    (n,) = be.read_ints(module, symbol, 1)
+    return be.read_ints(module, symbol, 1 + n)[1:]
+
+
+def check_layout(values, variant) -> Layout:
+    """The ``apa_layout`` values of ``variant``, checked against the host's TILE and trace records."""
+    if len(values) != len(Layout._fields):
+        raise RuntimeError(f"apa_gpu: {variant.name}'s apa_layout has {len(values)} values, device.Layout "
+                           f"{len(Layout._fields)}")
+    lay = Layout(*values)
+    want = dict(tile=TILE, visit_bytes=tr.VISIT_DTYPE.itemsize, row_bytes=tr.row_dtype(variant.d).itemsize)
+    bad = {k: (getattr(lay, k), v) for k, v in want.items() if getattr(lay, k) != v}
+    if bad:
+        raise RuntimeError(f"apa_gpu: {variant.name} disagrees with apa_emu (kernel, host): {bad}")
+    return lay
+
+
+def check_struct(read_table, struct: Struct) -> None:
+    """Refuse a module whose struct (``read_table(symbol)`` reads its exported table) differs from
+    the host's description (params.Struct.layout), nested structs included."""
+    got, want = list(read_table(f"apa_params_{struct.name}")), struct.layout()
+    if got != want:
+        names = {params.name_hash(f): f for f, _ in struct.fields}
+        kernel_fields = [f"{names.get(h, '?')}@{o}:{n}" for o, n, h in zip(got[1::3], got[2::3], got[3::3])]
+        host_fields = [f"{f}@{o}:{n}" for (f, _), o, n in zip(struct.fields, want[1::3], want[2::3])]
+        raise RuntimeError(f"apa_gpu: the kernels' {struct.name} (size {got[0]}: {', '.join(kernel_fields)}) "
+                           f"differs from apa_gpu.params (size {want[0]}: {', '.join(host_fields)})")
+    for sub in struct.nested():
+        check_struct(read_table, sub)
+
+
+@lru_cache(maxsize=None)
+def layout(variant) -> Layout:
+    return check_layout(_read_table(variant, "apa_layout"), variant)
+
+
+@lru_cache(maxsize=None)
+def _checked(variant, struct: Struct) -> None:
+    check_struct(lambda symbol: _read_table(variant, symbol), struct)
+
+
+@lru_cache(maxsize=None)
+def kernel(variant, name: str, struct: Struct) -> Kernel:
+    """Kernel ``name`` of ``variant`` (a build.Variant or PROBE), which takes ``struct``."""
+    _checked(variant, struct)
+    function, max_smem = backend().function(_module(variant), name)
+    return Kernel(name, struct, function, max_smem)
+
+
+def launch(k: Kernel, grid, block, params: dict, smem: int = 0) -> None:
+    """Launch ``k`` on a grid of 1-D blocks with its struct filled from ``params`` (every field
+    named: see params.Struct.pack)."""
+    be = backend()
+    if smem > k.max_smem:
+        raise ValueError(f"apa_gpu: {k.name} needs {smem} bytes of shared memory, more than the device's {k.max_smem}")
+    be.launch(k.function, tuple(grid), block, k.struct.pack(params, be.address), smem)
+    if os.environ.get("APA_GPU_SYNC"):
+        try:
+            be.synchronize()
+        except Exception as e:
+            raise RuntimeError(f"apa_gpu: kernel {k.name} failed: {e}") from e
+
+
+__all__ = ["Kernel", "Layout", "PROBE", "backend", "kernel", "launch", "layout", "usable"]

@@ -1,0 +1,116 @@
+"""The kernels' parameter structs, each described once as a NumPy structured dtype.
+
+Every kernel takes one C struct by value (cuda/params.cuh). ``Struct.pack`` builds its bytes from
+named values; before a kernel's first launch ``apa_gpu.device`` compares the dtype with the layout
+the module exports for it (its size, and each field's offset, size and name hash) and refuses to
+launch on any difference, so a field reordered, renamed, added or resized on either side cannot
+silently rebind.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+PTR = np.uint64  # a device address
+I32 = np.int32
+I64 = np.int64
+F32 = np.float32
+
+
+def name_hash(name: str) -> int:
+    """cuda/params.cuh apa_name_hash, as the int32 the table holds."""
+    h = 2166136261
+    for c in name.encode():
+        h = ((h ^ c) * 16777619) & 0xFFFFFFFF
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+class Struct:
+    """A C struct: its name (the module exports ``apa_params_<name>``) and its fields in
+    declaration order, each a NumPy scalar type or a nested Struct. The dtype has C's alignment."""
+
+    def __init__(self, name: str, fields: list[tuple[str, object]]):
+        self.name = name
+        self.fields = tuple(fields)
+        self.dtype = np.dtype([(f, t.dtype if isinstance(t, Struct) else t) for f, t in self.fields], align=True)
+
+    def layout(self) -> list[int]:
+        """What cuda/params.cuh APA_PARAMS_LAYOUT exports: the size, then each field's offset, size
+        and name hash (32-bit FNV-1a, as int32)."""
+        out = [self.dtype.itemsize]
+        for f, _ in self.fields:
+            dt, off = self.dtype.fields[f][:2]
+            out += [off, dt.itemsize, name_hash(f)]
+        return out
+
+    def nested(self) -> list[Struct]:
+        return [t for _, t in self.fields if isinstance(t, Struct)]
+
+    def pack(self, values: dict, address) -> np.ndarray:
+        """The struct as a one-element array (what CuPy passes by value). ``values`` names every
+        field: a nested struct as a dict, a pointer as a device array (``address`` gives its
+        address) or None (null), anything else as a number."""
+        out = np.zeros(1, self.dtype)
+        self._fill(out, values, address)
+        return out
+
+    def _fill(self, out: np.ndarray, values: dict, address) -> None:
+        names = [f for f, _ in self.fields]
+        if set(values) != set(names):
+            missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+            raise TypeError(f"{self.name}: missing fields {missing}, unknown fields {extra}")
+        for f, t in self.fields:
+            v = values[f]
+            if isinstance(t, Struct):
+                t._fill(out[f], v, address)
+            elif t is PTR:
+                if v is not None and isinstance(v, (numbers.Number, np.generic)):
+                    raise TypeError(f"{self.name}.{f}: a pointer takes a device array or None, not {v!r}")
+                out[f] = 0 if v is None else address(v)
+            elif isinstance(v, (bool, numbers.Number, np.generic)):
+                out[f] = v
+            else:
+                raise TypeError(f"{self.name}.{f}: expected a number, got {type(v).__name__}")
+
+
+# cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
+GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32)])
+
+# cuda/apa.cu PrepParams: the six prep kernels (§5).
+PREP = Struct("PrepParams", [
+    ("sz", GEOM_SIZES),
+    ("q", PTR), ("k", PTR), ("v", PTR), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
+    ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("khat", PTR), ("vhat", PTR), ("kimg", PTR), ("vimg", PTR),
+    ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
+    ("interleaved", I32),
+])
+
+# cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.
+PASS1_ARGS = Struct("Pass1Args", [
+    ("qhat", PTR), ("cq", PTR), ("khat", PTR), ("vhat", PTR), ("scales", PTR), ("part", PTR), ("ml", PTR),
+    ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
+    ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
+    ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32),
+])
+
+# cuda/pass2.cuh Pass2Args.
+PASS2_ARGS = Struct("Pass2Args", [
+    ("q", PTR), ("k", PTR), ("v", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
+    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32),
+])
+
+# cuda/apa.cu: the entry points of the two passes and of the fused persistent launch.
+PASS1 = Struct("Pass1Params", [("sz", GEOM_SIZES), ("pass1", PASS1_ARGS)])
+PASS2 = Struct("Pass2Params", [("sz", GEOM_SIZES), ("pass2", PASS2_ARGS)])
+FUSED = Struct("FusedParams", [
+    ("sz", GEOM_SIZES), ("B", I32), ("counters", PTR), ("flags", PTR), ("pass1", PASS1_ARGS), ("pass2", PASS2_ARGS),
+])
+
+# cuda/apa.cu's entry points and the struct each takes.
+KERNELS = {
+    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v", "apa_prep_kv16"),
+                    PREP),
+    "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
+}

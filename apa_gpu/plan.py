@@ -1,0 +1,171 @@
+"""The device buffers and kernel launches of one problem (cuda/apa.cu), kept for repeated runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from apa_emu import trace as tr
+from apa_emu.config import Config
+from apa_emu.geometry import ROWS, TILE, Shape, cdiv
+
+from . import device
+from .build import SUPPORTED_D, Variant
+from .params import KERNELS
+
+# "separate": prep, pass-1 and pass-2 launches; "fused": pass 1 and pass 2 in one persistent launch
+# (cuda/apa.cu apa_fused). Scheduling changes no result bit.
+SCHEDULES = ("separate", "fused")
+PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
+
+
+def check_config(cfg: Config, d: int) -> None:
+    """Raise NotImplementedError for what the kernel does not implement (everything else is exact)."""
+    if cfg.mma != "sm90":
+        raise NotImplementedError(
+            f"apa_gpu: config.mma={cfg.mma!r} is an emulator model; the sm_90 kernel implements mma='sm90' only"
+        )
+    if d not in SUPPORTED_D:
+        raise NotImplementedError(
+            f"apa_gpu: head dim {d} is not implemented (supported: {', '.join(map(str, SUPPORTED_D))})")
+
+
+def _q_mode(cfg: Config) -> int:
+    """cuda/apa.cu PrepParams q_mode."""
+    if not cfg.quant_q:
+        return 2
+    return 1 if cfg.q_format == "fp8" else 0
+
+
+class Plan:
+    """Device buffers and launch parameters of one (shape, config, trace request)."""
+
+    def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate"):
+        check_config(cfg, shape.d)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        self.shape, self.cfg, self.want, self.schedule = shape, cfg, want, schedule
+        s = shape
+        self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32",
+                               exp2_fast=cfg.exp2 == "fast")
+        self.layout = lay = device.layout(self.variant)
+        self.all_hot = cfg.eps < 0
+        self.qmul = cfg.qmul(s.d)
+        self.smem1 = lay.p1_smem
+        self.smem2 = lay.p2_smem + 4 * lay.p2_mask_words * s.W  # every warp's hot-mask words: grows with S
+        self.ctas = cdiv(s.nw, lay.warps)  # CTAs (query blocks) per (b, hk) (§6.2)
+        self.items = s.B * s.Hkv * self.ctas
+        xp = device.backend().xp
+        B, Hkv, d = s.B, s.Hkv, s.d
+        self.ksum = xp.zeros((B, Hkv, d), np.uint64)
+        self.amax = xp.zeros((B, Hkv, 2), np.uint32)
+        self.kmean = xp.empty((B, Hkv, d), np.float32)
+        self.scales = xp.empty((B, Hkv, 2), np.float32)
+        self.qhat = xp.empty((B, Hkv, s.Rp, d), np.uint16)
+        self.cq = xp.empty((B, Hkv, s.Rp), np.float32)
+        self.sh = xp.empty((B, Hkv, s.Rp), np.float32)
+        self.khat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
+        self.vhat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
+        self.kimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # FP16 tile images for pass 2
+        self.vimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
+        self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
+        self.ml = xp.empty((B, Hkv, s.Rp, 2), np.float32)
+        self.hot = xp.zeros((B, Hkv, s.nw, s.W), np.uint32)
+        self.out = xp.empty((B, s.n, s.H, d), np.uint16)
+        self.counters = xp.zeros(4, np.uint32)
+        self.flags = xp.zeros(max(self.items, 1), np.uint32)
+        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset)
+        self._trace_setup(xp)
+
+    # -- trace ----------------------------------------------------------------------------------
+    def _trace_setup(self, xp):
+        """Record buffers and each traced warp's first record; null pointers without a trace (the
+        plain build never touches them)."""
+        s = self.shape
+        self.visit_base = self.row_base = self.visits = self.rows = None
+        self.n_visits = self.n_rows = 0
+        self.traced = []
+        if self.want is None:
+            return
+        # visits per warp: its active tiles (§6.3), none when ε < 0 (pass 1 does not run, §9.6)
+        nvis = np.zeros(s.nw, np.int64) if self.all_hot else s.last_tiles() + 1
+        vb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
+        rb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
+        nv = nr = 0
+        for b in range(s.B):
+            for hk in range(s.Hkv):
+                for w in range(s.nw):
+                    if not self.want.wants(b, hk, w):
+                        continue
+                    self.traced.append((b, hk, w))
+                    vb[b, hk, w], rb[b, hk, w] = nv, nr
+                    nv += int(nvis[w])
+                    nr += min(ROWS, s.R - ROWS * w)
+        self.n_visits, self.n_rows = nv, nr
+        self.visit_base, self.row_base = xp.asarray(vb), xp.asarray(rb)
+        self.visits = xp.zeros(max(nv, 1) * tr.VISIT_DTYPE.itemsize, np.uint8)
+        self.rows = xp.zeros(max(nr, 1) * tr.row_dtype(s.d).itemsize, np.uint8)
+
+    # -- launches -------------------------------------------------------------------------------
+    def _launch(self, name, grid, block, params, smem=0):
+        device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
+
+    def prep(self, q, k, v):
+        """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous)."""
+        s, cfg, lay = self.shape, self.cfg, self.layout
+        p = dict(sz=self.sizes, q=q, k=k, v=v, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
+                 qhat=self.qhat, cq=self.cq, sh=self.sh, khat=self.khat, vhat=self.vhat, kimg=self.kimg,
+                 vimg=self.vimg, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
+                 quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
+                 interleaved=cfg.p_groups == "interleaved")
+        self.ksum.fill(0)
+        self.amax.fill(0)
+        nb, bhd = s.d // 16, (s.Hkv, s.B)
+        self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
+        self._launch("apa_prep_finalize", bhd, s.d, p)
+        self._launch("apa_prep_q", (cdiv(s.Rp * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_k", (cdiv(s.ntiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_v", (cdiv(s.ntiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_kv16", (cdiv(s.ntiles * TILE * (s.d // 8), PREP_THREADS), *bhd),
+                     PREP_THREADS, p)
+
+    def attend(self, q):
+        """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
+        s, cfg = self.shape, self.cfg
+        threads = 32 * self.layout.warps
+        pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, part=self.part,
+                     ml=self.ml, hot=self.hot, trace_visits=self.visits, visit_base=self.visit_base,
+                     **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
+                     pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p)
+        pass2 = dict(q=q, k=self.kimg, v=self.vimg, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
+                     out=self.out, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul,
+                     all_hot=self.all_hot)
+        self.hot.fill(0)
+        if self.schedule == "fused":
+            self.counters.fill(0)
+            self.flags.fill(0)
+            n_tickets = self.items * (1 if self.all_hot else 2)
+            grid = (max(1, min(device.backend().num_sms, n_tickets)),)
+            self._launch("apa_fused", grid, threads,
+                         dict(sz=self.sizes, B=s.B, counters=self.counters, flags=self.flags, pass1=pass1,
+                              pass2=pass2),
+                         max(self.smem1, self.smem2))
+            return
+        grid = (self.ctas, s.Hkv, s.B)
+        if not self.all_hot:
+            self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
+        self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
+
+    def run(self, q, k, v):
+        self.prep(q, k, v)
+        self.attend(q)
+        return self.out
+
+    # -- results --------------------------------------------------------------------------------
+    def trace_arrays(self):
+        """(visits, rows) as the emulator returns them (None when nothing is traced)."""
+        if self.want is None or not self.traced:
+            return None, None
+        s, xp = self.shape, device.backend().xp
+        rows = xp.asnumpy(self.rows)[: self.n_rows * tr.row_dtype(s.d).itemsize].view(tr.row_dtype(s.d))
+        visits = xp.asnumpy(self.visits)[: self.n_visits * tr.VISIT_DTYPE.itemsize].view(tr.VISIT_DTYPE)
+        return visits, rows

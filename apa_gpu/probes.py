@@ -1,0 +1,82 @@
+"""Single-instruction and single-primitive kernels of cuda/probe.cu, run on the selected backend for
+the tests (tests/test_gpu_mma.py, tests/test_gpu_formats.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import device
+from .build import PROBE
+from .params import F32, I32, I64, PTR, Struct
+
+_MMA_FIELDS = [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR), ("ntiles", I32)]
+MMA_F32 = Struct("ProbeMmaF32Params", _MMA_FIELDS)
+MMA_F16 = Struct("ProbeMmaF16Params", _MMA_FIELDS)
+EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode", I32)])
+CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
+QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("codes", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
+TABLES = Struct("ProbeTablesParams", [("lg2", PTR), ("dec", PTR)])
+# cuda/probe.cu's entry points and the struct each takes.
+KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_exp2": EXP2,
+           "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES}
+
+
+def _run(name: str, blocks: int, threads: int, params: dict) -> None:
+    device.launch(device.kernel(PROBE, name, KERNELS[name]), (max(1, blocks),), threads, params)
+
+
+def _f32(x):
+    return device.backend().xp.asarray(np.ascontiguousarray(x, dtype=F32))
+
+
+def run_probe_mma(A, B, C, f16_out: bool):
+    """m16n8k16 on the GPU for tiles A [T,16,16], B [T,8,16] (binary16 bits or float16), C [T,16,8]
+    (float32, or float16 when f16_out). Returns D like C."""
+    xp = device.backend().xp
+    Ad = xp.asarray(np.ascontiguousarray(A).view(np.uint16))
+    Bd = xp.asarray(np.ascontiguousarray(B).view(np.uint16))
+    Cd = xp.asarray(np.ascontiguousarray(C).view(np.uint16)) if f16_out else _f32(C)
+    D = xp.empty(Cd.shape, Cd.dtype)
+    T = Ad.shape[0]
+    _run("apa_probe_mma_f16" if f16_out else "apa_probe_mma_f32", -(-T // 4), 128, dict(A=Ad, B=Bd, C=Cd, D=D, ntiles=T))
+    d = xp.asnumpy(D)
+    return d.view(np.float16) if f16_out else d
+
+
+def run_probe_exp2(x, variant: str = "soft"):
+    """exp2 of every element: "soft" (exp2s), "fast" (the hardware exp2), or the exp2s variants
+    "core" (x in [0, 1)) and "nonpos" (x ≤ 0) of cuda/fpmath.cuh."""
+    xp = device.backend().xp
+    xd = _f32(x)
+    y = xp.empty(xd.shape, np.float32)
+    mode = ("soft", "fast", "core", "nonpos").index(variant)
+    _run("apa_probe_exp2", -(-xd.size // 256), 256, dict(x=xd, y=y, count=xd.size, mode=mode))
+    return xp.asnumpy(y)
+
+
+def run_probe_codes(x):
+    """(E2M1 codes, E4M3 codes) of binary32 values."""
+    xp = device.backend().xp
+    xd = _f32(x)
+    n = xd.size
+    a, b = xp.empty(n, np.uint8), xp.empty(n, np.uint8)
+    _run("apa_probe_codes", -(-n // 256), 256, dict(x=xd, e2m1=a, e4m3=b, count=n))
+    return xp.asnumpy(a).reshape(np.shape(x)), xp.asnumpy(b).reshape(np.shape(x))
+
+
+def run_probe_quant16(x, lsq: bool = True):
+    """quant16 of x [nblocks, 16]: (codes [nblocks, 16], sb [nblocks])."""
+    xp = device.backend().xp
+    xd = _f32(x)
+    nb = xd.shape[0]
+    codes, sb = xp.empty((nb, 16), np.uint8), xp.empty(nb, np.uint8)
+    _run("apa_probe_quant16", -(-nb // 128), 128, dict(x=xd, codes=codes, sb=sb, nblocks=nb, lsq=lsq))
+    return xp.asnumpy(codes), xp.asnumpy(sb)
+
+
+def run_probe_tables():
+    """(LG2 [9], UE4M3 dec [127]) as the kernel holds them."""
+    xp = device.backend().xp
+    lg2, dec = xp.empty(9, np.float32), xp.empty(127, np.float32)
+    _run("apa_probe_tables", 1, 128, dict(lg2=lg2, dec=dec))
+    return xp.asnumpy(lg2), xp.asnumpy(dec)

@@ -1,0 +1,76 @@
+"""The kernels' parameter structs (apa_gpu/params.py, cuda/params.cuh): packing refuses what could
+bind a value to the wrong field, and the device refuses a struct whose layout differs from the one the
+module exports. The packing tests need no device; the layout tests are marked ``gpu``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from apa_gpu import device, probes
+from apa_gpu.build import PROBE, Variant
+from apa_gpu.params import F32, FUSED, GEOM_SIZES, I32, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct, name_hash
+
+SIZES = dict(n=5, H=6, Hkv=2, S=300, q_offset=295)
+
+
+class _Buf:
+    """A stand-in device array whose address is known."""
+
+    def __init__(self, addr):
+        self.addr = addr
+
+
+def _pass2_values(**over):
+    ptrs = {f: _Buf(0x1000 * (i + 1)) for i, (f, t) in enumerate(PASS2_ARGS.fields) if t is PTR}
+    return dict(ptrs, qmul=np.float32(0.125), all_hot=True) | over
+
+
+def test_pack_places_every_field_at_its_offset():
+    rec = PASS2.pack(dict(sz=SIZES, pass2=_pass2_values(trace_rows=None)), lambda b: b.addr)
+    assert rec.shape == (1,) and rec.dtype.itemsize == PASS2.dtype.itemsize
+    assert {f: int(rec["sz"][f][0]) for f in SIZES} == SIZES
+    p2 = rec["pass2"]
+    assert int(p2["q"][0]) == 0x1000 and int(p2["trace_rows"][0]) == 0
+    assert p2["qmul"][0] == np.float32(0.125) and int(p2["all_hot"][0]) == 1
+
+
+@pytest.mark.parametrize("values, what", [
+    (dict(sz=SIZES), "missing"),
+    (dict(sz=SIZES, pass2=_pass2_values(), extra=1), "unknown"),
+    (dict(sz=SIZES, pass2=_pass2_values(q=0)), "pointer"),
+    (dict(sz=SIZES, pass2=_pass2_values(qmul=_Buf(8))), "number"),
+])
+def test_pack_refuses(values, what):
+    with pytest.raises(TypeError, match=what):
+        PASS2.pack(values, lambda b: b.addr)
+
+
+def test_layout_has_c_alignment_and_names():
+    # a pointer after an odd number of ints is padded to 8 bytes, as in C; FNV-1a as cuda/params.cuh
+    s = Struct("T", [("a", I32), ("p", PTR), ("f", F32)])
+    assert s.layout() == [24, 0, 4, name_hash("a"), 8, 8, name_hash("p"), 16, 4, name_hash("f")]
+    assert name_hash("") == 2166136261 - (1 << 32) and name_hash("a") == 0xE40C292C - (1 << 32)
+
+
+APA_KERNELS = {"apa_prep_stats": PREP, "apa_prep_finalize": PREP, "apa_prep_q": PREP, "apa_prep_k": PREP,
+               "apa_prep_v": PREP, "apa_prep_kv16": PREP, "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED}
+PROBE_KERNELS = {"apa_probe_mma_f32": probes.MMA_F32, "apa_probe_mma_f16": probes.MMA_F16,
+                 "apa_probe_exp2": probes.EXP2, "apa_probe_codes": probes.CODES, "apa_probe_quant16": probes.QUANT16,
+                 "apa_probe_tables": probes.TABLES}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [Variant(d=64), PROBE], ids=["apa", "probe"])
+def test_every_kernel_struct_matches_its_module(variant):
+    for name, struct in (PROBE_KERNELS if variant == PROBE else APA_KERNELS).items():
+        assert device.kernel(variant, name, struct).struct is struct
+
+
+@pytest.mark.gpu
+def test_reordered_struct_is_refused():
+    fields = list(PASS2_ARGS.fields)
+    fields[-2], fields[-1] = fields[-1], fields[-2]  # qmul and all_hot: the same size, swapped
+    bad = Struct("Pass2Params", [("sz", GEOM_SIZES), ("pass2", Struct("Pass2Args", fields))])
+    with pytest.raises(RuntimeError, match="Pass2Args"):
+        device.kernel(Variant(d=64), "apa_pass2", bad)
