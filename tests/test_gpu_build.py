@@ -6,7 +6,9 @@ when nvcc is absent."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -23,7 +25,14 @@ try:
 except build.BuildError:
     NVCC = None
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+
+
+@pytest.fixture(autouse=True)
+def _needs_nvcc():
+    """The PTX audit is the only check of §1's build flags: under CI a missing nvcc fails it."""
+    if NVCC is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("nvcc not found (.ci/run installs it)")
+
 
 # A representative pair in the default run; every variant under -m slow.
 QUICK = [build.Variant(d=128, trace=True), build.Variant(d=64, p2_f32=True)]
@@ -108,7 +117,16 @@ def test_ptx_has_no_fma_ftz_or_approx(variant):
 
 
 def test_cache_key_tracks_sources(tmp_path, monkeypatch):
-    monkeypatch.setenv("APA_GPU_CACHE", str(tmp_path))
+    """A build is reused while nothing changes and rebuilt after an edit to any file of cuda/, also
+    one the entry file only includes."""
+    cuda = tmp_path / "cuda"
+    shutil.copytree(build.CUDA_DIR, cuda)
+    monkeypatch.setattr(build, "CUDA_DIR", cuda)
+    monkeypatch.setenv("APA_GPU_CACHE", str(tmp_path / "cache"))
     p1 = build.build(build.PROBE)
-    assert p1.parent == tmp_path and p1.is_file()
+    assert p1.parent == tmp_path / "cache" and p1.is_file()
     assert build.build(build.PROBE) == p1  # cached
+    with open(cuda / "fpmath.cuh", "a") as f:
+        f.write("\n// edited\n")
+    p2 = build.build(build.PROBE)
+    assert p2 != p1 and p2.is_file() and p1.is_file()
