@@ -273,4 +273,4 @@ def launch(k: Kernel, grid, block, params: dict, smem: int = 0) -> None:
             raise RuntimeError(f"apa_gpu: kernel {k.name} failed: {e}") from e
 
 
-__all__ = ["Kernel", "Layout", "backend", "kernel", "launch", "layout", "usable"]
+__all__ = ["Kernel", "Layout", "backend", "check_layout", "check_struct", "kernel", "launch", "layout", "usable"]
