@@ -27,7 +27,7 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.geometry import TILE
 
-from .build import PROBE, backend_name, build, find_nvcc
+from .build import backend_name, build, find_nvcc
 from . import params
 from .params import Struct
 
@@ -273,4 +273,4 @@ def launch(k: Kernel, grid, block, params: dict, smem: int = 0) -> None:
             raise RuntimeError(f"apa_gpu: kernel {k.name} failed: {e}") from e
 
 
-__all__ = ["Kernel", "Layout", "PROBE", "backend", "kernel", "launch", "layout", "usable"]
+__all__ = ["Kernel", "Layout", "backend", "check_layout", "check_struct", "kernel", "launch", "layout", "usable"]

@@ -215,6 +215,7 @@ def _warp_rows(hk, w, n, G):
     return r // G, hk * G + r % G
 
 
+@pytest.mark.hardware  # passes on the simulator too, in about 20 minutes
 def test_builtin_smollm2_dump():
     """The shipped SmolLM2 dump (d = 64, 9/3 heads), whole, output and trace."""
     from apa_emu.study.dump import builtin_dump_path, read_dump
