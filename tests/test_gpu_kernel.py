@@ -258,7 +258,9 @@ def test_synthetic_llama_32k():
 @pytest.mark.parametrize("d", [64, 128])
 def test_fast_mode_tolerance(d):
     """exp2 'fast' (hardware ex2.approx) against the emulator's fast model: not bitwise (numerics.md
-    §2); the output must stay within a relative L2 of 2e-2 and a per-row cosine of 0.999."""
+    §2), so checked by tolerance and flip counts. Measured on the H200 (docs/gpu-log.md): rel. L2
+    3.0e-5 (d = 128) and 8.8e-6 (d = 64), no hot bit and about 3 % of the tile row sums (the P' codes
+    behind them) differing. The bounds leave about 30x, 1 % and 3x of room."""
     q, k, v = make_inputs(21, 1, 256, 2, 3, d, 2048, "sink", batched=False)
     cfg = Config(exp2="fast")
     emu = apa_emu.attention(q, k, v, 2048 - 256, cfg, trace="all", workers=os.cpu_count() or 1)
@@ -271,5 +273,7 @@ def test_fast_mode_tolerance(d):
     print(f"fast mode d={d}: rel L2 {rel:.3e}, min row cosine {cos.min():.6f}, "
           f"output elements differing {(a != g).sum()} of {a.size}, hot bits differing {hot_diff}, "
           f"tile row sums differing {tl_diff} of {emu.visits['tl'].size}")
-    assert rel <= 2e-2
-    assert cos.min() >= 0.999
+    assert rel <= 1e-3
+    assert cos.min() >= 0.9999
+    assert hot_diff <= 0.01 * max(emu.hot_tiles, 1)
+    assert 0 < tl_diff <= 0.1 * emu.visits["tl"].size  # the two modes really differ, but rarely
