@@ -428,3 +428,18 @@ def test_bad_config_values_name_the_field(bad):
 def test_config_overrides_name_the_key(item, match):
     with pytest.raises(ValueError, match=match):
         Config.from_overrides([item])
+
+
+def test_gqa_packing_follows_the_spec():
+    """§6.1 with several KV heads: packed row r of KV head hk is query position r div G of head
+    hk·G + (r mod G), and unpacking inverts it. (`attention` packs one KV head at a time, so only this
+    test sees the Hkv > 1 path.)"""
+    from apa_emu.prep import pack_rows, unpack_rows
+
+    n, Hkv, G, d = 5, 3, 4, 2
+    q = np.random.default_rng(0).standard_normal((n, Hkv * G, d))
+    packed = pack_rows(q, Hkv)
+    for hk in range(Hkv):
+        for r in range(n * G):
+            assert np.array_equal(packed[hk, r], q[r // G, hk * G + r % G])
+    assert np.array_equal(unpack_rows(packed, n, G), q)

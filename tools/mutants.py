@@ -10,7 +10,8 @@ run, also on Ctrl-C or SIGTERM. It edits the checkout it lives in: run it in a w
 (`git worktree add /tmp/mut HEAD`) when you keep working beside it. Emulator edits need no cache clearing: the Numba cache is keyed on the sources
 (apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
 The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
-K1–K5 in the kernel; M14 is equivalent by construction and listed as such.
+K1–K5 in the kernel. (M14 is equivalent inside `attention`, which packs one KV head at a time; a
+direct test of the packing kills it.)
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ MUTANTS = [
     Mutant("M13", "GQA row position off by one", "apa_emu/geometry.py",
            "self.q_offset + r // self.G", "self.q_offset + (r + 1) // self.G"),
     Mutant("M14", "pack_rows head map g·Hkv + hk", "apa_emu/prep.py",
-           "q.reshape(n, Hkv, G, d).transpose(1, 0, 2, 3)", "q.reshape(n, G, Hkv, d).transpose(2, 0, 1, 3)",
-           equivalent=True),
+           "q.reshape(n, Hkv, G, d).transpose(1, 0, 2, 3)", "q.reshape(n, G, Hkv, d).transpose(2, 0, 1, 3)"),
     Mutant("M15", "pass-2 FP16 O rescaled by a, not f16(a)", "apa_emu/pass2.py", "ah = f16r(a)", "ah = a"),
     Mutant("M16", "K mean by a float32 mean", "apa_emu/prep.py",
            "    kmean = kmean_exact(k)  # [Hkv, d]", "    kmean = k.astype(F32).mean(axis=0)"),
