@@ -60,6 +60,60 @@ __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& l
     }
 }
 
+// §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima and the lazy frame vote: the
+// candidate frame c of the lane's two rows. Padding rows do not vote (§6.2).
+__device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows& wr, float cq_lo, float cq_hi,
+                                         float m_lo, float m_hi, float tau, float (&gm_lo)[4], float (&gm_hi)[4],
+                                         float& c_lo, float& c_hi) {
+#pragma unroll
+    for (int gi = 0; gi < 4; ++gi) {
+        float x = fmaxf(fmaxf(s[2 * gi][0], s[2 * gi][1]), fmaxf(s[2 * gi + 1][0], s[2 * gi + 1][1]));
+        float y = fmaxf(fmaxf(s[2 * gi][2], s[2 * gi][3]), fmaxf(s[2 * gi + 1][2], s[2 * gi + 1][3]));
+        x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
+        x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
+        y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 1));
+        y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 2));
+        gm_lo[gi] = x;
+        gm_hi[gi] = y;
+    }
+    const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
+    const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
+    const bool trig = __any_sync(0xFFFFFFFFu, (wr.v_lo && mx_lo > fadd(m_lo, tau)) ||
+                                                  (wr.v_hi && mx_hi > fadd(m_hi, tau)));
+    c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
+    c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
+}
+
+// §7.7 hot test: a warp vote over the valid rows of tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c).
+__device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float tl_lo, float tl_hi, float c_lo, float c_hi,
+                                            float m_lo, float m_hi, float la_lo, float la_hi, float eps) {
+    const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
+    const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
+    const bool hp_lo = wr.v_lo && tl_lo > fmul(eps, fadd(fmul(la_lo, a_lo), tl_lo));
+    const bool hp_hi = wr.v_hi && tl_hi > fmul(eps, fadd(fmul(la_hi, a_hi), tl_hi));
+    return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
+}
+
+// §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f). (The caller sets
+// the hot bit and zeroes P̂, so the tile adds nothing to o.)
+template <int NDN>
+__device__ __forceinline__ void p1_hot_branch(float c, float tl, float delta, float& m, float& la, float& lc,
+                                              float (&o)[NDN][4], int half) {
+    const float f = fmaxf(m, fsub(c, delta));
+    const float b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
+    p1_update(f, m, la, lc, o, half);
+    la = fadd(la, fmul(tl, b));
+}
+
+// §7.8 cold branch for one row: frame c, la ⊕= tl, lc ⊕= tl (the caller's P̂·V̂ adds to o).
+template <int NDN>
+__device__ __forceinline__ void p1_cold_branch(float c, float tl, float& m, float& la, float& lc,
+                                               float (&o)[NDN][4], int half) {
+    p1_update(c, m, la, lc, o, half);
+    la = fadd(la, tl);
+    lc = fadd(lc, tl);
+}
+
 // P scale of one group (§7.4): returns bias, sets dec(kb).
 // lg2_lane: LG2[lane] on lanes 0..8 (a shuffle, not a switch: lanes differ in mi, and a divergent
 // jump table serializes them).
@@ -258,25 +312,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                     }
                 }
             }
-            // §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima, lazy frame vote.
-            float gm_lo[4], gm_hi[4];
-#pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {
-                float x = fmaxf(fmaxf(s[2 * gi][0], s[2 * gi][1]), fmaxf(s[2 * gi + 1][0], s[2 * gi + 1][1]));
-                float y = fmaxf(fmaxf(s[2 * gi][2], s[2 * gi][3]), fmaxf(s[2 * gi + 1][2], s[2 * gi + 1][3]));
-                x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
-                x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
-                y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 1));
-                y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 2));
-                gm_lo[gi] = x;
-                gm_hi[gi] = y;
-            }
-            const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
-            const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
-            const bool trig = __any_sync(0xFFFFFFFFu, (wr.v_lo && mx_lo > fadd(m_lo, a.tau)) ||
-                                                          (wr.v_hi && mx_hi > fadd(m_hi, a.tau)));
-            const float c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
-            const float c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
+            float gm_lo[4], gm_hi[4], c_lo, c_hi;
+            p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
             // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
             // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
             float my_sc_lo, my_sc_hi;
@@ -290,33 +327,16 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             else
                 p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
-            // §7.7 hot test (warp vote over valid rows).
-            const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
-            const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-            const bool hp_lo = wr.v_lo && tl_lo > fmul(a.eps, fadd(fmul(la_lo, a_lo), tl_lo));
-            const bool hp_hi = wr.v_hi && tl_hi > fmul(a.eps, fadd(fmul(la_hi, a_hi), tl_hi));
-            const bool hot = __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
+            const bool hot = p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, la_lo, la_hi, a.eps);
             if (hot) {
-                // §7.8 hot branch.
-                const float f_lo = fmaxf(m_lo, fsub(c_lo, a.delta));
-                const float f_hi = fmaxf(m_hi, fsub(c_hi, a.delta));
-                const float b_lo = (f_lo == c_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c_lo, f_lo));
-                const float b_hi = (f_hi == c_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c_hi, f_hi));
-                p1_update(f_lo, m_lo, la_lo, lc_lo, o, 0);
-                p1_update(f_hi, m_hi, la_hi, lc_hi, o, 1);
-                la_lo = fadd(la_lo, fmul(tl_lo, b_lo));
-                la_hi = fadd(la_hi, fmul(tl_hi, b_hi));
+                p1_hot_branch(c_lo, tl_lo, a.delta, m_lo, la_lo, lc_lo, o, 0);
+                p1_hot_branch(c_hi, tl_hi, a.delta, m_hi, la_hi, lc_hi, o, 1);
                 if (wr.lane == 0) atomicOr(a.hot + (bh * geo.nw + wr.w) * geo.W + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
-                // §7.8 cold branch.
-                p1_update(c_lo, m_lo, la_lo, lc_lo, o, 0);
-                p1_update(c_hi, m_hi, la_hi, lc_hi, o, 1);
-                la_lo = fadd(la_lo, tl_lo);
-                la_hi = fadd(la_hi, tl_hi);
-                lc_lo = fadd(lc_lo, tl_lo);
-                lc_hi = fadd(lc_hi, tl_hi);
+                p1_cold_branch(c_lo, tl_lo, m_lo, la_lo, lc_lo, o, 0);
+                p1_cold_branch(c_hi, tl_hi, m_hi, la_hi, lc_hi, o, 1);
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
