@@ -20,7 +20,7 @@ def _numba_cache_dir() -> str:
     return str(Path(base) / f"numba-{h.hexdigest()[:16]}")
 
 
-numba.config.CACHE_DIR = _numba_cache_dir()  # before any @njit(cache=True) below is decorated
+numba.config.CACHE_DIR = _numba_cache_dir()  # before the modules below decorate their cached functions
 
 from .api import Result, attention, validate  # noqa: E402
 from .config import Config  # noqa: E402
