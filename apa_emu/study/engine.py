@@ -150,10 +150,10 @@ class GpuEngine(Engine):
             for dump in dumps:
                 need = unit_bytes(dump.n, dump.group, dump.kv, dump.hd, self.block_elements)
                 if need > free:
-                    name = dump.path.name if dump.path else "the dump"
-                    raise ValueError(f"{name}: the dump ({dump.nbytes / 2**30:.2f} GiB: {dump.kv} keys, d = "
-                                     f"{dump.hd}) needs about {need / 2**30:.1f} GiB of GPU memory per KV head, "
-                                     f"more than the {free / 2**30:.1f} GiB free on GPU {device}")
+                    name = f"{dump.path.name}: " if dump.path else ""
+                    raise ValueError(f"{name}the {dump.nbytes / 2**30:.2f} GiB dump ({dump.kv} keys, d = {dump.hd}) "
+                                     f"needs about {need / 2**30:.1f} GiB of GPU memory per KV head, more than the "
+                                     f"{free / 2**30:.1f} GiB free on GPU {device}")
 
     def release(self):
         self.xp.get_default_memory_pool().free_all_blocks()
