@@ -72,7 +72,7 @@ def test_attribute_none_equals_unquantized_scan(small_dump):
 
 def test_attribute_cli(capsys, small_dump):
     dump, path = small_dump
-    out = run_json(capsys, "attribute", path, "--worst", "4")
+    out = run_json(capsys, "attribute", path, "--worst", "4", "--plot", "")
     scan = run_pairs(dump, Config(), Pairs.select(dump.n, dump.nh))
     worst = scan.order()[:4]
     assert out["pairs"] == [[int(scan.pairs.rows[i]), int(scan.pairs.heads[i])] for i in worst]

@@ -94,7 +94,7 @@ def test_special_paths_are_refused(capsys, dumps, tmp_path):
                                                                         str(tmp_path)])
     plain = tmp_path / "plain"
     plain.write_text("x")
-    pair = ["pair", dumps["good"], "--row", "40", "--head", "0", "--plot"]
+    pair = ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot"]
     assert f"{plain}/x.png: Not a directory" in one_line_error(capsys, [*pair, str(plain / "x.png")])
     assert "/dev/full: a character device" in one_line_error(capsys, [*pair, "/dev/full"])
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
@@ -105,13 +105,14 @@ def test_plot_into_read_only_folder(capsys, dumps, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
-    err = one_line_error(capsys, ["pair", dumps["good"], "--row", "40", "--head", "0", "--plot", str(ro / "p.png")])
+    err = one_line_error(capsys, ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot",
+                                  str(ro / "p.png")])
     assert "Permission denied" in err and not any(ro.iterdir())
 
 
 def test_workers_beyond_the_cpus_are_clamped_with_a_notice(capsys, dumps, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    argv = ["scan", dumps["good"], "--rows", "0:16", "--json"]
+    argv = ["scan", dumps["good"], "--backend", "cpu", "--rows", "0:16", "--json"]
     assert main([*argv, "--workers", "1000"]) == 0
     clamped = capsys.readouterr()
     assert clamped.err == "apa: note: --workers 1000 is more than the 2 CPUs available: using 2\n"
@@ -126,7 +127,7 @@ def test_json_carries_the_config_everywhere(capsys, dumps):
     outputs = [run_json(capsys, "scan", path, "--rows", "0:4", *common),
                run_json(capsys, "worst", path, "-n", "2", *common),
                run_json(capsys, "pair", path, "--row", "3", "--head", "1", "--plot", "", *common),
-               run_json(capsys, "attribute", path, "--worst", "2", *common),
+               run_json(capsys, "attribute", path, "--worst", "2", "--plot", "", *common),
                run_json(capsys, "headroom", path, "--rows", "0:4", *common)]
     assert all(o["config"] == cfg for o in outputs)
     sweep = run_json(capsys, "sweep", path, "--rows", "0:4", "--eps", "0.01", "--plot", "", "--config", "mma=exact")
@@ -165,7 +166,7 @@ def test_worst_puts_overflowed_pairs_first_and_json_stays_strict(capsys, dumps):
     pair = run_json(capsys, "pair", dumps["hot_v"], "--row", "0", "--head", "4", "--plot", "")
     assert pair["diag"]["overflow"].startswith("pass 2 (FP16 output accumulation") and pair["diag"]["cos"] is None
     assert pair["non_finite"]["out_norm"] == "Infinity"
-    attribute = run_json(capsys, "attribute", dumps["hot_v"], "--worst", "3")
+    attribute = run_json(capsys, "attribute", dumps["hot_v"], "--worst", "3", "--plot", "")
     # every variant overflows but the exact MMA model, which accumulates pass 2 in binary32
     for name, v in attribute["variants"].items():
         assert (v["nonfinite"], v["mean_cos"] is None) == ((0, False) if "exact" in name else (3, True)), name
@@ -217,8 +218,8 @@ def test_ctrl_c_in_process(capsys, dumps, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(scan, "run_pairs", interrupted)
-    assert main(["scan", dumps["good"]]) == 130
+    monkeypatch.setattr(scan, "evaluate", interrupted)
+    assert main(["scan", dumps["good"], "--backend", "cpu"]) == 130
     assert capsys.readouterr().err == "apa: interrupted\n"
 
 
@@ -231,7 +232,8 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_ctrl_c_with_workers_is_one_line_and_leaves_no_worker():
-    p = subprocess.Popen([sys.executable, "-m", "apa_emu.study.cli", "scan", "--workers", "2"], cwd=ROOT,
+    argv = [sys.executable, "-m", "apa_emu.study.cli", "scan", "--backend", "cpu", "--workers", "2"]
+    p = subprocess.Popen(argv, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not _children(p.pid) and p.poll() is None and time.monotonic() < deadline:
@@ -255,7 +257,8 @@ def _state(pid: int) -> str:
 @pytest.mark.parametrize("as_json", [True, False])
 @pytest.mark.parametrize("sink", ["/dev/full", "closed pipe"])
 def test_output_failures_are_one_line(dumps, sink, as_json):
-    argv = [sys.executable, "-m", "apa_emu.study.cli", "scan", dumps["good"], "--rows", "0:2"] + ["--json"] * as_json
+    argv = [sys.executable, "-m", "apa_emu.study.cli", "scan", dumps["good"], "--backend", "cpu", "--rows", "0:2"] \
+        + ["--json"] * as_json
     if sink == "/dev/full":
         with open("/dev/full", "w") as full:
             p = subprocess.run(argv, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)

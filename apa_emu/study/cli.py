@@ -17,11 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from ..config import CHOICES, Config
+from .engine import BACKENDS
+from .scan import CPU_WORST
 from .dump import HEAD_DIMS, builtin_dump_path, read_dump
-from .report import OutputError, emit, flush, progress_bar, say, table
+from .report import NUMBA_WAIT, OutputError, emit, flush, progress_bar, say, table
 
+EXIT_DIVERGED = 1  # apa check: the kernel and the emulator differ
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
+DUMP_SUFFIX = ".apadump"
+# What the progress bar says while the first step is slow
+WAITS = {"cpu": NUMBA_WAIT, "gpu": "the first run builds the kernel with nvcc, a minute or two"}
 
 
 def _parse_list(text: str | None, what: str):
@@ -42,6 +48,38 @@ def _load(args):
     return read_dump(path), path
 
 
+def _dump_paths(args) -> list[Path]:
+    """The dump files named, a folder standing for its *.apadump files (the built-in dump if none)."""
+    if not args.dumps:
+        return [builtin_dump_path()]
+    paths = []
+    for text in args.dumps:
+        path = Path(text)
+        if path.is_dir():
+            found = sorted(p for p in path.glob(f"*{DUMP_SUFFIX}") if not p.is_dir())
+            if not found:
+                raise ValueError(f"{path}: a folder with no {DUMP_SUFFIX} file")
+            paths += found
+        else:
+            paths.append(path)
+    return paths
+
+
+def _jobs(args):
+    """Each dump with its selected pairs (--rows, --heads where the command has them)."""
+    from .scan import Job
+
+    paths = _dump_paths(args)
+    jobs = []
+    for path in paths:
+        dump = read_dump(path)
+        try:
+            jobs.append(Job(dump, _pairs(args, dump), path.name))
+        except ValueError as e:
+            raise ValueError(f"{path.name}: {e}" if len(paths) > 1 else str(e)) from None
+    return jobs
+
+
 def _config(args) -> Config:
     cfg = Config.from_overrides(args.config or [])
     eps = getattr(args, "eps", None)
@@ -59,8 +97,28 @@ def _workers(requested: int) -> int:
 def _pairs(args, dump):
     from .scan import Pairs
 
-    return Pairs.select(dump.q.shape[0], dump.q.shape[1], _parse_list(args.rows, "--rows"),
-                        _parse_list(args.heads, "--heads"))
+    return Pairs.select(dump.n, dump.nh, _parse_list(getattr(args, "rows", None), "--rows"),
+                        _parse_list(getattr(args, "heads", None), "--heads"))
+
+
+def _devices(text: str) -> tuple[int, ...]:
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU numbers like 0,1, got {text!r}") from None
+    if min(devices) < 0:
+        raise argparse.ArgumentTypeError(f"GPU numbers are at least 0, got {text!r}")
+    return devices
+
+
+def _engine(args, cfg: Config, dims):
+    """The engine of the command, chosen once; a fallback of --backend auto is said in one line."""
+    from .engine import select_engine
+
+    engine = select_engine(args.backend, [cfg], dims, workers=args.workers, devices=getattr(args, "devices", None) or ())
+    if engine.note:
+        print(f"apa: note: {engine.note}", file=sys.stderr)
+    return engine
 
 
 class _CtrlC:
@@ -108,53 +166,91 @@ def _progress(enabled: bool, label: str, *wait: str):
         yield _CTRL_C.watch(bar)
 
 
-def _payload(path, cfg: Config, **fields) -> dict:
-    return dict(dump=str(path), config=dataclasses.asdict(cfg), **fields)
+def _payload(jobs, cfg: Config, engine, **fields) -> dict:
+    where = dict(dump=str(jobs[0].dump.path)) if len(jobs) == 1 else dict(dumps=[str(j.dump.path) for j in jobs])
+    return dict(**where, config=dataclasses.asdict(cfg), backend=engine.name, **fields)
+
+
+def _per_dump(jobs, parts) -> list[dict]:
+    return [dict(dump=str(job.dump.path), **part) for job, part in zip(jobs, parts)]
 
 
 def _study(args, compute):
-    """The dump, its path, the config and ``compute(dump, cfg, progress)`` run under a progress bar."""
-    dump, path = _load(args)
+    """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress)`` run under a
+    progress bar."""
+    jobs = _jobs(args)
     cfg = _config(args)
-    with _progress(not args.json, f"{args.command} {path.name}") as prog:
-        return dump, path, cfg, compute(dump, cfg, prog)
+    engine = _engine(args, cfg, [job.dump.hd for job in jobs])
+    label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
+    with _progress(not args.json, label, WAITS[engine.name]) as prog:
+        return jobs, cfg, engine, compute(jobs, cfg, engine, prog)
+
+
+def _what(jobs) -> str:
+    return jobs[0].name if len(jobs) == 1 else f"{len(jobs)} dumps"
+
+
+def _named(jobs, title: str) -> str:
+    return f"{title} {_what(jobs)}"
 
 
 def cmd_scan(args):
-    from .scan import run_pairs
+    from .scan import Scan, scan_jobs
 
-    _, path, cfg, scan = _study(args, lambda dump, cfg, prog: run_pairs(
-        dump, cfg, _pairs(args, dump), workers=args.workers, progress=prog))
+    jobs, cfg, engine, scans = _study(args, lambda jobs, cfg, engine, prog: scan_jobs(jobs, cfg, engine, progress=prog))
+    title = f"{_named(jobs, 'apa scan')} (eps={cfg.eps}, {engine.name})"
+    if len(jobs) > 1:
+        pooled = Scan.pooled(scans)
+        cols = ["dump", "pairs", "hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_99", "rel_l2_max",
+                "max_abs_err", "nonfinite"]
+        rows = [_scan_row(name, s) for name, s in [*((j.name, s) for j, s in zip(jobs, scans)), ("pooled", pooled)]]
+        emit(args.json, _payload(jobs, cfg, engine, per_dump=_per_dump(jobs, (s.to_json() for s in scans)),
+                                 pooled=pooled.to_json()),
+             [table(title, cols, rows), table("per-pair cosine, pooled", ["bin", "pairs"], pooled.histogram)])
+        return
+    scan = scans[0]
     report = scan.to_json()
     bad = report["nonfinite"]
     rows = list(scan.summary.as_dict().items()) if scan.summary else [("finite pairs", 0)]
+    rows += list(report["errors"].items())
     if bad["count"]:
         rows += [("non-finite pairs", f"{bad['count']} of {report['pairs']}"),
                  ("first non-finite (row, head)", " ".join(f"({r}, {h})" for r, h in bad["first"]))]
-    title = f"apa scan {path.name} (eps={cfg.eps})" + (": cosines over the finite pairs" if bad["count"] else "")
-    emit(args.json, _payload(path, cfg, **report),
+    title += ": cosines over the finite pairs" if bad["count"] else ""
+    emit(args.json, _payload(jobs, cfg, engine, **report),
          [table(title, ["metric", "value"], rows), table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
 
 
-def cmd_worst(args):
-    from .scan import worst
+def _scan_row(name, scan) -> list:
+    s = scan.summary
+    stats = [s.pooled_cos, s.mean_cos, s.min_cos, s.below_0_99, s.rel_l2_max] if s else [None] * 5
+    return [name, len(scan.pairs), scan.hot_share, *stats, scan.errors()["max_abs_err"], int((~scan.finite).sum())]
 
-    _, path, cfg, (_, diags) = _study(args, lambda dump, cfg, prog: worst(
-        dump, cfg, args.n, pairs=_pairs(args, dump), workers=args.workers, progress=prog))
-    records = [d.to_json() for d in diags]
-    cols = ["row", "head", "cos", "rel_l2", "hot_tiles", "tiles", "cold_mass_fp4", "cold_mass_f64", "cold_out_rel",
-            "max_qk", "max_o16", "overflow"]
-    emit(args.json, _payload(path, cfg, worst=records),
-         [table(f"apa worst {path.name}: {len(diags)} lowest-cosine pairs", cols, [[r[c] for c in cols] for r in records])])
+
+def cmd_worst(args):
+    from .scan import worst_jobs
+
+    jobs, cfg, engine, (_, diags) = _study(args, lambda jobs, cfg, engine, prog: worst_jobs(
+        jobs, cfg, args.n, engine, progress=prog))
+    many = len(jobs) > 1
+    records = [dict(dump=jobs[j].name, **d.to_json()) if many else d.to_json() for j, d in diags]
+    cols = ["dump"] * many + ["row", "head", "cos", "rel_l2", "hot_tiles", "tiles", "cold_mass_fp4", "cold_mass_f64",
+                              "cold_out_rel", "max_qk", "max_o16", "overflow"]
+    emit(args.json, _payload(jobs, cfg, engine, worst=records),
+         [table(f"{_named(jobs, 'apa worst')}: {len(diags)} lowest-cosine pairs", cols,
+                [[r[c] for c in cols] for r in records])])
 
 
 def cmd_pair(args):
     from .plots import plot_pair
-    from .scan import pair
+    from .scan import Job, Pairs, pair
 
     dump, path = _load(args)
     cfg = _config(args)
-    info = pair(dump, cfg, args.row, args.head)
+    Pairs.select(dump.n, dump.nh, [args.row], [args.head], names=("--row", "--head"))  # before the engine's note
+    jobs = [Job(dump, None, path.name)]
+    engine = _engine(args, cfg, [dump.hd])
+    info = pair(dump, cfg, args.row, args.head, backend=engine)
     d = info.diag
     summary = [
         ("cosine", d.cos), ("relative L2", d.rel_l2), ("overflow", d.overflow or "none"),
@@ -170,7 +266,7 @@ def cmd_pair(args):
     png = None
     if args.plot:
         png = plot_pair(info, args.plot, f"{path.name} row {args.row} head {args.head}")
-    payload = _payload(path, cfg, row=args.row, head=args.head, **info.to_json(), plot=png)
+    payload = _payload(jobs, cfg, engine, row=args.row, head=args.head, **info.to_json(), plot=png)
     emit(args.json, payload, [table(f"apa pair {path.name} row {args.row} head {args.head}", ["metric", "value"], summary),
                               table("pass-1 trace of its warp (this row)", visit_cols,
                                     [[getattr(v, c) for c in visit_cols] for v in info.visits])])
@@ -178,47 +274,138 @@ def cmd_pair(args):
         say(f"plot: {png}")
 
 
-def cmd_attribute(args):
-    from .scan import attribute
+_STATS = ["pairs", "mean_cos", "min_cos", "below_0_999", "nonfinite"]
 
-    _, path, cfg, result = _study(args, lambda dump, cfg, prog: attribute(
-        dump, cfg, args.worst, workers=args.workers, progress=prog))
-    rows = [(name, r.mean_cos, r.min_cos, r.nonfinite) for name, r in result.variants.items()]
-    emit(args.json, _payload(path, cfg, worst=args.worst, **result.to_json()),
-         [table(f"apa attribute {path.name}: mean cosine of the {args.worst} worst pairs",
-                ["variant", "mean_cos", "min_cos", "nonfinite"], rows)])
+
+def cmd_attribute(args):
+    from .plots import plot_heatmap
+    from .scan import attribute_jobs
+
+    jobs, cfg, engine, att = _study(args, lambda jobs, cfg, engine, prog: attribute_jobs(
+        jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets, workers=args.workers,
+        progress=prog))
+    many = len(jobs) > 1
+    rows = []
+    for name, pooled in att.pooled.items():
+        for job, t in zip(jobs, att.tables):
+            s = t.variants[name]
+            rows.append([name, *[job.name] * many, s.engine, *(getattr(s, c) for c in _STATS)])
+        if many:
+            rows.append([name, "pooled", pooled.engine, *(getattr(pooled, c) for c in _STATS)])
+    scope = "every pair" if args.worst is None else f"the {args.worst} lowest-cosine pairs{' of each dump' * many}"
+    slow = {s.engine for s in att.pooled.values()} - {engine.name}
+    note = f"; variants on the {', '.join(sorted(slow))}: the {args.cpu_worst} worst of them" if slow else ""
+    tables = [table(f"{_named(jobs, 'apa attribute')} ({engine.name}): cosines of {scope} under each variant{note}",
+                    ["variant", *["dump"] * many, "engine", *_STATS], rows)]
+    for job, t in zip(jobs, att.tables):
+        b = t.breakdown
+        tables += [table(f"{job.name}, {cfg_name(cfg)}: by query head", ["head", *_STATS],
+                         [[h, *(st[c] for c in _STATS)] for h, st in b.heads]),
+                   table(f"{job.name}, {cfg_name(cfg)}: by query position", ["positions", *_STATS],
+                         [[lab, *(st[c] for c in _STATS)] for lab, st in b.buckets])]
+    png = plot_heatmap({j.name: t.breakdown for j, t in zip(jobs, att.tables)}, args.plot,
+                       _what(jobs)) if args.plot else None
+    fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png)
+    if many:
+        payload = _payload(jobs, cfg, engine, **fields, per_dump=_per_dump(jobs, (t.to_json() for t in att.tables)),
+                           pooled={name: dataclasses.asdict(s) for name, s in att.pooled.items()})
+    else:
+        payload = _payload(jobs, cfg, engine, **fields, **att.tables[0].to_json())
+    emit(args.json, payload, tables)
+    if png and not args.json:
+        say(f"plot: {png}")
+
+
+def cfg_name(cfg: Config) -> str:
+    """The config as the toggles that differ from the defaults."""
+    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(Config)
+               if getattr(cfg, f.name) != getattr(Config(), f.name)]
+    return " ".join(changed) or "default config"
 
 
 def cmd_sweep(args):
     from .plots import plot_sweep
-    from .scan import sweep
+    from .scan import sweep_jobs
 
     for eps in args.eps:
         Config(eps=eps)  # each ε is checked up front, before any run
-    _, path, cfg, rows = _study(args, lambda dump, cfg, prog: sweep(
-        dump, cfg, args.eps, pairs=_pairs(args, dump), workers=args.workers, progress=prog))
-    png = plot_sweep(rows, args.plot, path.name) if args.plot else None
-    records = [r.to_json() for r in rows]
-    cols = ["eps", "hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_9", "nonfinite"]
-    emit(args.json, _payload(path, cfg, sweep=records, plot=png),
-         [table(f"apa sweep {path.name}", cols, [[r[c] for c in cols] for r in records])])
+    jobs, cfg, engine, (per_dump, pooled) = _study(args, lambda jobs, cfg, engine, prog: sweep_jobs(
+        jobs, cfg, args.eps, engine, progress=prog))
+    many = len(jobs) > 1
+    series = {job.name: rows for job, rows in zip(jobs, per_dump)} | ({"pooled": pooled} if many else {})
+    png = plot_sweep(series, args.plot, _what(jobs)) if args.plot else None
+    cols = ["eps", *["dump"] * many, "hot_share", "pass2_tiles", "pooled_cos", "mean_cos", "min_cos", "below_0_999",
+            "below_0_9", "nonfinite"]
+    rows = [[r.eps, *[name] * many, *(getattr(r, c) for c in cols[1 + many:])]
+            for i in range(len(args.eps)) for name, rs in series.items() for r in [rs[i]]]
+    if many:
+        payload = _payload(jobs, cfg, engine, plot=png, pooled=[r.to_json() for r in pooled],
+                           per_dump=_per_dump(jobs, (dict(sweep=[r.to_json() for r in rs]) for rs in per_dump)))
+    else:
+        payload = _payload(jobs, cfg, engine, sweep=[r.to_json() for r in per_dump[0]], plot=png)
+    emit(args.json, payload, [table(f"{_named(jobs, 'apa sweep')} ({engine.name})", cols, rows)])
     if png and not args.json:
         say(f"plot: {png}")
 
 
 def cmd_headroom(args):
-    from .scan import F16_MAX, headroom
+    from .scan import F16_MAX, headroom_jobs
 
-    _, path, cfg, h = _study(args, lambda dump, cfg, prog: headroom(
-        dump, cfg, _pairs(args, dump), workers=args.workers, progress=prog))
+    jobs, cfg, engine, hs = _study(args, lambda jobs, cfg, engine, prog: headroom_jobs(jobs, cfg, engine, progress=prog))
+    title = f"{_named(jobs, 'apa headroom')}: pass 2's FP16 accumulators, float64 estimates"
+    if len(jobs) > 1:
+        cols = ["dump", "pairs", "max_qk", "max_qk_at", "qk_over", "max_o16", "max_o16_at", "o16_over", "nonfinite"]
+        rows = [[j.name, h.pairs, h.max_qk, h.max_qk_pair, h.qk_over, h.max_o16, h.max_o16_pair, h.o16_over,
+                 h.nonfinite] for j, h in zip(jobs, hs)]
+        qk, o16 = (max(range(len(hs)), key=lambda i: getattr(hs[i], f)) for f in ("max_qk", "max_o16"))
+        rows.append(["pooled", sum(h.pairs for h in hs), hs[qk].max_qk, f"{jobs[qk].name} {hs[qk].max_qk_pair}",
+                     sum(h.qk_over for h in hs), hs[o16].max_o16, f"{jobs[o16].name} {hs[o16].max_o16_pair}",
+                     sum(h.o16_over for h in hs), sum(h.nonfinite for h in hs)])
+        emit(args.json, _payload(jobs, cfg, engine, fp16_max=F16_MAX,
+                                 per_dump=_per_dump(jobs, (dict(headroom=h.to_json()) for h in hs))),
+             [table(title, cols, rows)])
+        return
+    h = hs[0]
     rows = [("pairs", h.pairs),
             ("max |q·k| partial sum", h.max_qk), ("  its share of the FP16 max", h.max_qk / F16_MAX),
             ("  at (row, head)", h.max_qk_pair), ("  pairs past the FP16 max", h.qk_over),
             ("max |running O|", h.max_o16), ("  its share of the FP16 max", h.max_o16 / F16_MAX),
             ("  at (row, head)", h.max_o16_pair), ("  pairs past the FP16 max", h.o16_over),
             ("pairs with a non-finite output", h.nonfinite)]
-    emit(args.json, _payload(path, cfg, fp16_max=F16_MAX, headroom=h.to_json()),
-         [table(f"apa headroom {path.name}: pass 2's FP16 accumulators, float64 estimates", ["metric", "value"], rows)])
+    emit(args.json, _payload(jobs, cfg, engine, fp16_max=F16_MAX, headroom=h.to_json()), [table(title, ["metric", "value"], rows)])
+
+
+def cmd_check(args):
+    from .check import check_dump, check_generated, require_gpu
+
+    cfg = _config(args)
+    if args.hypothesis:
+        if args.dumps or args.warps:
+            raise ValueError("--hypothesis checks generated problems: give it no dump and no --warps")
+        require_gpu(Config(), ())
+        seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+        with _progress(True, "check, generated problems", WAITS["gpu"]) as prog:
+            div, done = check_generated(args.hypothesis, seed, prog)
+        summary = f"{done} generated problems and configs (--seed {seed})"
+    else:
+        paths = _dump_paths(args)
+        dumps = [read_dump(p) for p in paths]
+        warps = _parse_list(args.warps, "--warps")
+        require_gpu(cfg, [d.hd for d in dumps])
+        div, done = None, 0
+        with _progress(True, "check", WAITS["cpu"]) as prog:
+            for path, dump in zip(paths, dumps):
+                div, count = check_dump(dump, path.name, cfg, warps, workers=args.workers, progress=prog)
+                done += count
+                if div:
+                    break
+        summary = f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {cfg_name(cfg)}"
+    if div:
+        for line in div.lines():
+            say(line)
+        return EXIT_DIVERGED
+    say(f"apa check: the kernel equals the emulator bitwise (output, hot masks, every trace field) on {summary}")
+    return 0
 
 
 def cmd_synth(args):
@@ -256,14 +443,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"apa: error: {command + ': ' if command else ''}{message}\n")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+_count = _at_least(1)
 
 
 def _config_epilog() -> str:
@@ -332,14 +525,27 @@ def build_parser() -> argparse.ArgumentParser:
                  epilog="The first run compiles the emulator with Numba (about 30 s); later runs reuse the cache.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def study(name, helptext, func, epilog=""):
+    def study(name, helptext, func, epilog="", many=True):
         p = sub.add_parser(name, help=helptext, description=helptext, formatter_class=_Help,
                            epilog="\n\n".join(x for x in (epilog, _config_epilog()) if x))
-        p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
+        if many:
+            p.add_argument("dumps", nargs="*", metavar="DUMP",
+                           help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
+                                "row per dump and a pooled row (default: the built-in SmolLM2 dump)")
+        else:
+            p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
         p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                        "(keys below)")
+        p.add_argument("--backend", choices=BACKENDS, default="auto",
+                       help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
+                            "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
+                            "dim 64 or 128), else the CPU, saying why in one line. Both give the same numbers")
+        if many:
+            p.add_argument("--devices", type=_devices, metavar="I,J",
+                           help="GPUs to share the (dump, KV head) units, one process each, e.g. 0,1 (default: the "
+                                "current GPU)")
         p.add_argument("--workers", type=_count, default=1, metavar="N",
-                       help="processes that share the warps (results are bitwise the same for any N; "
+                       help="CPU engine: processes that share the warps (results are bitwise the same for any N; "
                             "at most the CPU count)")
         p.add_argument("--json", action="store_true", help="print strict JSON for scripts instead of tables "
                        "(NaN and Inf become null, listed by path under non_finite)")
@@ -361,15 +567,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=_count, default=20, help="how many pairs to show, lowest cosine first")
     eps(p)
     selection(p)
-    p = study("pair", "the diagnostic table and per-tile trace of one (row, head) pair", cmd_pair, _TRACE_COLUMNS)
+    p = study("pair", "the diagnostic table and per-tile trace of one (row, head) pair", cmd_pair, _TRACE_COLUMNS,
+              many=False)
     p.add_argument("--row", type=int, required=True, help="query row (index into the dump's Q rows)")
     p.add_argument("--head", type=int, required=True, help="query head")
     eps(p)
     p.add_argument("--plot", default="apa_pair.png", help="PNG of per-tile mass and contribution ('' for none)")
-    p = study("attribute", "mean cosine of the worst pairs with one quantization at a time", cmd_attribute,
-              _attribute_epilog())
-    p.add_argument("--worst", type=_count, default=20, metavar="N",
-                   help="how many lowest-cosine pairs (under --config) to rerun per variant")
+    p = study("attribute", "cosines of every pair under each quantization variant and numerics toggle, and where "
+              "the error sits (by head and query position)", cmd_attribute, _attribute_epilog())
+    p.add_argument("--worst", type=_count, metavar="N",
+                   help="rerun only the N lowest-cosine pairs of each dump (under --config) per variant "
+                        "(default: every pair)")
+    p.add_argument("--cpu-worst", type=_at_least(0), default=CPU_WORST, metavar="N",
+                   help="how many of those pairs, lowest cosine first, the variants the GPU kernel lacks "
+                        "(mma=exact, mma=sm120) rerun on the CPU emulator; 0 leaves them out")
+    p.add_argument("--buckets", type=_count, default=8, metavar="N",
+                   help="query-position buckets of the breakdown and the heatmap")
+    p.add_argument("--plot", default="apa_attribute.png",
+                   help="PNG heatmap of min cosine by (head, position bucket) ('' for none)")
     eps(p)
     p = study("headroom", "how close pass 2's FP16 scores and output come to overflow (65504)", cmd_headroom,
               _HEADROOM_NOTES)
@@ -379,7 +594,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eps", type=float, nargs="+", default=[-1, 0.001, 0.002, 0.005, 0.01, 0.05, 1e9],
                    help="ε values, one run each (< 0: every tile exact; 1e9: pure FP4)")
     selection(p)
-    p.add_argument("--plot", default="apa_sweep.png", help="PNG of hot share and min cosine per ε ('' for none)")
+    p.add_argument("--plot", default="apa_sweep.png",
+                   help="PNG of min cosine against hot share, the accuracy-cost frontier ('' for none)")
+
+    p = sub.add_parser("check", help="the GPU kernel against the emulator, bitwise (for edits to cuda/)",
+                       formatter_class=_Help, epilog=_config_epilog(),
+                       description="run the kernel and the emulator on a dump (every warp, or --warps) or on "
+                                   "generated problems (--hypothesis N) and compare output, hot masks and every "
+                                   "trace field bit for bit. Exit 0 when equal; on a divergence print the first one "
+                                   "(stage, warp, tile, field, both values), save a reproducer for "
+                                   "python -m apa_gpu.replay, and exit 1")
+    p.add_argument("dumps", nargs="*", metavar="DUMP",
+                   help="dump files or folders of *.apadump files (default: the built-in SmolLM2 dump)")
+    p.add_argument("--warps", help="warps of each KV head to compare: A:B (half-open), a,b,c or one index "
+                                   "(default: all; the emulator runs each on the CPU)")
+    p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles of the dump check (keys below)")
+    p.add_argument("--hypothesis", type=_count, metavar="N",
+                   help="check N problems and configs drawn by Hypothesis (apa_gpu/strategies.py) instead of dumps")
+    p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
+    p.add_argument("--workers", type=_count, default=1, metavar="N", help="emulator processes over the warps")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("synth", help="write a synthetic dump", formatter_class=_Help,
                        description="write a synthetic dump with a sink, RoPE locality and diffuse heads "
@@ -434,7 +668,7 @@ def main(argv=None) -> int:
     try:
         if "workers" in args:
             args.workers = _workers(args.workers)
-        args.func(args)
+        status = args.func(args) or 0
         flush()
         if _CTRL_C.hit:
             raise KeyboardInterrupt
@@ -450,7 +684,7 @@ def main(argv=None) -> int:
         return EXIT_ERROR
     finally:
         signal.signal(signal.SIGINT, previous)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

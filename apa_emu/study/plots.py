@@ -7,15 +7,18 @@ import io
 import numpy as np
 
 from .files import write_atomically
-from .scan import PairReport, SweepRow
+from .scan import Breakdown, PairReport, SweepRow
 
 
 def _save(fig, out) -> str:
     """PNG bytes rendered in memory, then written like a dump: savefig itself swallows some write
-    errors (ENOSPC on /dev/full) and would write into devices."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    write_atomically(out, lambda f: f.write(buf.getbuffer()))
+    errors (ENOSPC on /dev/full) and would write into devices. The figure is closed either way."""
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        write_atomically(out, lambda f: f.write(buf.getbuffer()))
+    finally:
+        _pyplot().close(fig)
     return str(out)
 
 
@@ -43,28 +46,42 @@ def plot_pair(report: PairReport, out, title) -> str:
     b.set_ylabel("|Σ p·v| of the tile")
     b.set_xlabel("tile")
     fig.tight_layout()
-    try:
-        return _save(fig, out)
-    finally:
-        plt.close(fig)
+    return _save(fig, out)
 
 
-def plot_sweep(rows: list[SweepRow], out, name) -> str:
-    """Hot share and min cosine per ε."""
+def plot_sweep(series: dict[str, list[SweepRow]], out, title) -> str:
+    """The accuracy-cost frontier: 1 − min cosine against hot share, one line per dump (and the
+    pooled pairs), each point labelled with its ε."""
     plt = _pyplot()
-    eps = [max(r.eps, 1e-9) for r in rows]
-    fig, a = plt.subplots(figsize=(7, 4))
-    a.plot(eps, [r.hot_share for r in rows], "o-", label="hot share")
-    a.set_xscale("log")
-    a.set_xlabel("ε")
-    a.set_ylabel("hot share")
-    b = a.twinx()
-    b.plot(eps, [r.min_cos for r in rows], "s--", color="tab:red", label="min cosine")
-    b.set_ylabel("min cosine")
-    a.set_title(f"apa sweep {name}")
-    fig.legend(loc="lower left")
+    fig, a = plt.subplots(figsize=(7, 4.5))
+    for name, rows in series.items():
+        share = [r.hot_share for r in rows]
+        gap = [max(1.0 - r.min_cos, 1e-17) if np.isfinite(r.min_cos) else np.nan for r in rows]
+        a.plot(share, gap, "o-", label=name)
+        for r, x, y in zip(rows, share, gap):
+            a.annotate(f"ε={r.eps:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    a.set_yscale("log")
+    a.set_xlabel("hot share (tiles recomputed in pass 2)")
+    a.set_ylabel("1 − min cosine")
+    a.set_title(f"apa sweep {title}: min cosine against cost")
+    a.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        return _save(fig, out)
-    finally:
-        plt.close(fig)
+    return _save(fig, out)
+
+
+def plot_heatmap(panels: dict[str, Breakdown], out, title) -> str:
+    """Min cosine of each (head, query-position bucket), one panel per dump."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.28 * sum(len(b.heads) for b in panels.values())
+                                                       + 1.2 * len(panels)), squeeze=False)
+    for a, (name, b) in zip(axes[:, 0], panels.items()):
+        im = a.imshow(b.min_cos, aspect="auto", cmap="viridis", interpolation="nearest")
+        a.set_yticks(range(len(b.heads)), [str(h) for h, _ in b.heads], fontsize=7)
+        a.set_xticks(range(len(b.buckets)), [lab for lab, _ in b.buckets], fontsize=7, rotation=30)
+        a.set_ylabel("query head")
+        a.set_title(f"{name}: min cosine by head and query position", fontsize=9)
+        fig.colorbar(im, ax=a, label="min cosine")
+    axes[-1, 0].set_xlabel("query positions")
+    fig.suptitle(f"apa attribute {title}", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, out)

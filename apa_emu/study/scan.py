@@ -3,30 +3,45 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
-from ..api import Result, attention
+from ..api import Result
 from ..config import Config
-from ..geometry import ROWS, TILE, warp_of
-from ..metrics import Summary, cosine_histogram, pair_metrics, summarize
-from ..reference import reference_rows
+from ..geometry import ROWS, TILE, Shape, warp_of
+from ..metrics import Summary, cosine_histogram
+from .dump import Dump
+from .engine import CpuEngine, Engine, Unit, run_units, select_engine
+from .fp64 import PairSums, cos_rel
 
 NONFINITE_SHOWN = 5  # non-finite pairs named in a scan's report
+GOOD_COS = 0.999  # the tables count the pairs below this cosine
 
-# apa attribute: which operands are quantized in each row of the seed's error-source table
+_ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
+
+# apa attribute: the seed's error-source table. Each variant changes the config of the command
+# (--config) as given: which pass-1 operands are quantized, or one numerics toggle with all quantized.
 ATTRIBUTE_VARIANTS: dict[str, dict] = {
     "all (default)": {},
-    "none": dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False),
-    "P only": dict(quant_q=False, quant_k=False, quant_v=False),
-    "V only": dict(quant_q=False, quant_k=False, quant_p=False),
-    "K only": dict(quant_q=False, quant_p=False, quant_v=False),
-    "Q only (1 term)": dict(quant_k=False, quant_p=False, quant_v=False, q_terms=1),
-    "Q only (2 terms)": dict(quant_k=False, quant_p=False, quant_v=False, q_terms=2),
-    "Q only (FP8 E4M3)": dict(quant_k=False, quant_p=False, quant_v=False, q_format="fp8"),
+    "Q only (2 terms)": dict(_ALL_OFF, quant_q=True, q_terms=2),
+    "K only": dict(_ALL_OFF, quant_k=True),
+    "P only": dict(_ALL_OFF, quant_p=True),
+    "V only": dict(_ALL_OFF, quant_v=True),
+    "Q only (1 term)": dict(_ALL_OFF, quant_q=True, q_terms=1),
+    "Q only (FP8 E4M3)": dict(_ALL_OFF, quant_q=True, q_format="fp8"),
+    "none": _ALL_OFF,
+    "all, δ = 0": dict(delta=0.0),
+    "all, pow2 P scales": dict(p_scale="pow2"),
+    "all, nearest block scale": dict(block_scale="nearest"),
+    "all, ascending order": dict(tile_order="ascending"),
+    "all, τ = 0": dict(tau=0),
+    "all, interleaved P groups": dict(p_groups="interleaved"),
     "all, exact MMA": dict(mma="exact"),
+    "all, sm120 MMA": dict(mma="sm120"),
 }
+CPU_WORST = 20  # pairs the variants the engine lacks rerun on the CPU emulator, lowest cosine first
 
 
 @dataclass
@@ -50,29 +65,97 @@ class Pairs:
         r, h = np.meshgrid(rows, heads, indexing="ij")
         return cls(r.ravel(), h.ravel())
 
-    def warps(self, G: int) -> set[tuple[int, int, int]]:
-        return {(0, *warp_of(int(r), int(h), G)) for r, h in zip(self.rows, self.heads)}
+    def take(self, index) -> "Pairs":
+        return Pairs(self.rows[index], self.heads[index])
 
     def __len__(self) -> int:
         return self.rows.size
 
 
 @dataclass
+class Job:
+    """A study's pairs of one dump; ``name`` labels its table rows."""
+
+    dump: Dump
+    pairs: Pairs
+    name: str = "dump"
+
+    @classmethod
+    def of(cls, dump: Dump, pairs: Pairs | None = None, name: str | None = None) -> "Job":
+        pairs = pairs if pairs is not None else Pairs.select(dump.n, dump.nh)
+        return cls(dump, pairs, name or (dump.path.name if dump.path else "dump"))
+
+    def units(self, index: int) -> list[Unit]:
+        """The job's pairs by KV head, with the warps holding them (numerics.md §6.1–6.2)."""
+        G = self.dump.group
+        hk_of = self.pairs.heads // G
+        units = []
+        for hk in np.unique(hk_of).tolist():
+            idx = np.flatnonzero(hk_of == hk)
+            rows, heads = self.pairs.rows[idx], self.pairs.heads[idx] - hk * G
+            units.append(Unit(index, hk, idx, rows, heads, np.unique((rows * G + heads) // ROWS)))
+        return units
+
+
+@dataclass
 class Scan:
     """The selected pairs of one run against float64 attention. A pair whose output holds NaN or Inf
     (an FP16 stage overflowed, numerics.md §8) has NaN cosine and relative L2; ``summary`` and the
-    histogram's cosine bins cover the finite pairs only (``summary`` is None when there is none)."""
+    histogram's cosine bins cover the finite pairs only (``summary`` is None when there is none).
+    The hot share counts the warps that hold the selected pairs."""
 
     config: Config
     pairs: Pairs
     out: np.ndarray  # [pairs, d] FP16
-    ref: np.ndarray  # [pairs, d] float64
-    cos: np.ndarray
-    rel: np.ndarray
+    sums: PairSums
     finite: np.ndarray  # [pairs] bool: the output is finite
-    summary: Summary | None
-    result: Result
-    histogram: list = field(default_factory=list)
+    hot_tiles: int
+    active_tiles: int
+    engine: str
+    result: Result | None = None  # the dump's whole output (NaN outside the pairs), hot masks, traces
+    split: tuple | None = None  # per pair: |hot part| and |cold part| of the float64 output, cold mass
+
+    def __post_init__(self):
+        self.cos, self.rel = cos_rel(self.sums)
+        # A non-finite output has no cosine (the formula would call a NaN output's cosine 0): NaN marks it.
+        self.cos[~self.finite] = np.nan
+        self.rel[~self.finite] = np.nan
+
+    @property
+    def hot_share(self) -> float:
+        return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
+
+    @property
+    def ref_norm(self) -> np.ndarray:
+        return np.sqrt(self.sums.ref_sq)
+
+    @cached_property
+    def summary(self) -> Summary | None:
+        f = self.finite
+        if not f.any():
+            return None
+        s, cos, rel = self.sums.take(f), self.cos[f], self.rel[f]
+        return Summary(pairs=int(f.sum()), pooled_cos=float(s.dot.sum() / np.sqrt(s.out_sq.sum() * s.ref_sq.sum())),
+                       mean_cos=float(cos.mean()), min_cos=float(cos.min()), below_0_9=int((cos < 0.9).sum()),
+                       below_0_99=int((cos < 0.99).sum()), below_0=int((cos < 0).sum()),
+                       rel_l2_mean=float(rel.mean()), rel_l2_p99=float(np.quantile(rel, 0.99)),
+                       rel_l2_max=float(rel.max()), hot_share=self.hot_share)
+
+    @cached_property
+    def histogram(self) -> list:
+        return cosine_histogram(self.cos[self.finite]) + [("non-finite", int((~self.finite).sum()))]
+
+    def errors(self) -> dict:
+        """The largest absolute error and, when split, where the float64 output's mass and norm sit."""
+        f = self.finite
+        out = dict(max_abs_err=float(self.sums.max_abs[f].max()) if f.any() else np.nan)
+        if self.split is not None:
+            _, cold, mass = self.split
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cold_rel = cold / self.ref_norm
+            out.update(cold_mass_f64_mean=float(mass.mean()), cold_mass_f64_max=float(mass.max()),
+                       cold_out_rel_max=float(np.nanmax(cold_rel)) if np.isfinite(cold_rel).any() else np.nan)
+        return out
 
     def order(self) -> np.ndarray:
         """Pair indices, worst first: non-finite pairs, then by cosine."""
@@ -85,25 +168,58 @@ class Scan:
     def to_json(self) -> dict:
         bad = self.nonfinite_pairs()
         return dict(pairs=len(self.pairs), summary=None if self.summary is None else self.summary.as_dict(),
-                    nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]), histogram=self.histogram)
+                    errors=self.errors(), nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]),
+                    histogram=self.histogram)
+
+    @classmethod
+    def pooled(cls, scans: list["Scan"]) -> "Scan":
+        """The pairs of several scans (of one config) as one: the pooled row of a multi-dump table."""
+        cat = lambda xs: np.concatenate(list(xs))  # noqa: E731
+        split = None if any(s.split is None for s in scans) else tuple(cat(p) for p in zip(*(s.split for s in scans)))
+        return cls(scans[0].config, Pairs(cat(s.pairs.rows for s in scans), cat(s.pairs.heads for s in scans)),
+                   cat(s.out for s in scans), PairSums.concat([s.sums for s in scans]), cat(s.finite for s in scans),
+                   sum(s.hot_tiles for s in scans), sum(s.active_tiles for s in scans), scans[0].engine, split=split)
 
 
-def run_pairs(dump, cfg: Config, pairs: Pairs, *, ref=None, workers=1, progress=None, trace=None) -> Scan:
-    """Emulate the warps holding ``pairs`` and compare those pairs with float64 attention."""
-    G = dump.q.shape[1] // dump.k.shape[1]
-    res = attention(dump.q, dump.k, dump.v, dump.q_offset, cfg, warps=pairs.warps(G), trace=trace,
-                    workers=workers, progress=progress)
-    out = res.out[pairs.rows, pairs.heads]
-    if ref is None:
-        ref = reference_rows(dump.q, dump.k, dump.v, dump.q_offset, pairs.rows, pairs.heads,
-                             cfg.softmax_scale(dump.q.shape[2]))
-    # A non-finite output has no cosine (pair_metrics would call a NaN output cosine 0): NaN marks it.
-    finite = np.isfinite(out).all(axis=1)
-    cos, rel = np.full(len(pairs), np.nan), np.full(len(pairs), np.nan)
-    cos[finite], rel[finite] = pair_metrics(out[finite], ref[finite])
-    summary = summarize(out[finite], ref[finite], res.hot_share) if finite.any() else None
-    histogram = cosine_histogram(cos[finite]) + [("non-finite", int((~finite).sum()))]
-    return Scan(cfg, pairs, out, ref, cos, rel, finite, summary, res, histogram)
+def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None) -> list[list[Scan]]:
+    """Each job's pairs under each config ([job][config]), one unit (dump, KV head) at a time."""
+    units = [u for j, job in enumerate(jobs) for u in job.units(j)]
+    runs = run_units(engine, {j: job.dump for j, job in enumerate(jobs)}, units, configs, split=split, trace=trace,
+                     progress=progress)
+    return [[_assemble(job, cfg, [(u, r[c]) for u, r in zip(units, runs) if u.dump == j], engine.name)
+             for c, cfg in enumerate(configs)] for j, job in enumerate(jobs)]
+
+
+def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
+    """One job's Scan from its units' runs, and the Result of the whole dump they make."""
+    dump, P = job.dump, len(job.pairs)
+    shape = Shape(B=1, n=dump.n, H=dump.nh, Hkv=dump.nkv, S=dump.kv, d=dump.hd, q_offset=dump.q_offset)
+    out = np.empty((P, dump.hd), np.float16)
+    sums = PairSums(*(np.empty(P) for _ in PairSums._fields))
+    split = (np.empty(P), np.empty(P), np.empty(P)) if parts and parts[0][1].split is not None else None
+    hot = np.zeros((1, shape.Hkv, shape.nw, shape.W), np.uint32)
+    hot_tiles = active = 0
+    for unit, run in parts:
+        out[unit.index] = run.out
+        for dst, src in zip(sums + (split or ()), run.sums + (run.split or ())):
+            dst[unit.index] = src
+        hot[0, unit.hk] = run.hot
+        hot_tiles += int(np.unpackbits(run.hot.view(np.uint8)).sum())
+        active += int((shape.last_tiles(unit.warps) + 1).sum())
+    full = np.full((dump.n, dump.nh, dump.hd), np.nan, np.float16)
+    full[job.pairs.rows, job.pairs.heads] = out
+    traces = [np.concatenate(x) if x else None for x in ([r.visits for _, r in parts if r.visits is not None],
+                                                        [r.rows for _, r in parts if r.rows is not None])]
+    result = Result(out=full, hot=hot, active_tiles=active, hot_tiles=hot_tiles, config=cfg, visits=traces[0],
+                    rows=traces[1], meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, engine=engine))
+    return Scan(cfg, job.pairs, out, sums, np.isfinite(out).all(axis=1), hot_tiles, active, engine, result, split)
+
+
+def run_pairs(dump, cfg: Config, pairs: Pairs, *, backend="auto", workers=1, progress=None, trace=False) -> Scan:
+    """Run the warps holding ``pairs`` on the chosen engine ("auto", "cpu", "gpu" or an Engine) and
+    compare those pairs with float64 attention, split into the parts of their hot and cold tiles."""
+    engine = select_engine(backend, [cfg], [dump.hd], workers=workers)
+    return evaluate([Job.of(dump, pairs)], [cfg], engine, split=True, trace=trace, progress=progress)[0][0]
 
 
 def tile_breakdown(dump, row: int, head: int, scale: float):
@@ -195,15 +311,36 @@ class PairReport:
                     visits=[asdict(v) for v in self.visits])
 
 
+def cos_stats(cos: np.ndarray) -> dict:
+    """Pairs, mean and min cosine and pairs below 0.999 over the finite pairs (NaN cosine: the output
+    is not finite, counted apart)."""
+    f = ~np.isnan(cos)
+    c = cos[f]
+    return dict(pairs=int(cos.size), mean_cos=float(c.mean()) if c.size else np.nan,
+                min_cos=float(c.min()) if c.size else np.nan, below_0_999=int((c < GOOD_COS).sum()),
+                nonfinite=int((~f).sum()))
+
+
 @dataclass(frozen=True)
 class SweepRow:
+    """One ε: its cost (hot share, pass-2 tiles: the tiles pass 2 recomputes) beside the accuracy."""
+
     eps: float
     hot_share: float
+    pass2_tiles: int
+    pairs: int
     pooled_cos: float
     mean_cos: float
     min_cos: float
+    below_0_999: int
     below_0_9: int
     nonfinite: int  # pairs left out of the cosines: their output is not finite
+
+    @classmethod
+    def of(cls, scan: Scan) -> "SweepRow":
+        s = scan.summary
+        return cls(eps=scan.config.eps, hot_share=scan.hot_share, pass2_tiles=scan.hot_tiles,
+                   pooled_cos=s.pooled_cos if s else np.nan, below_0_9=s.below_0_9 if s else 0, **cos_stats(scan.cos))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -211,22 +348,66 @@ class SweepRow:
 
 @dataclass(frozen=True)
 class VariantScore:
-    """Cosines of the attributed pairs under one quantization variant (mean and min over the finite ones)."""
+    """Cosines of the attributed pairs under one variant (mean and min over the finite ones), and the
+    engine that ran it; ``cos`` follows the table's pair order (worst first)."""
 
+    engine: str
+    pairs: int
     mean_cos: float
     min_cos: float
+    below_0_999: int
     nonfinite: int
     cos: list[float]
+
+    @classmethod
+    def of(cls, engine: str, cos: np.ndarray) -> "VariantScore":
+        return cls(engine=engine, cos=cos.tolist(), **cos_stats(cos))
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the error sits in one dump: cosine statistics by query head and by query-position bucket,
+    and the min cosine of each (head, bucket) cell (NaN: no finite pair there)."""
+
+    heads: list[tuple[int, dict]]
+    buckets: list[tuple[str, dict]]
+    min_cos: np.ndarray  # [heads, buckets]
+
+    def to_json(self) -> dict:
+        return dict(heads=[dict(head=h, **st) for h, st in self.heads],
+                    buckets=[dict(positions=b, **st) for b, st in self.buckets], min_cos=self.min_cos.tolist())
+
+
+def breakdown(scan: Scan, dump, buckets: int) -> Breakdown:
+    """``scan``'s cosines by head and by ``buckets`` equal ranges of query rows (positions)."""
+    edges = np.unique(np.linspace(0, dump.n, min(buckets, dump.n) + 1).round().astype(int))
+    bucket = np.searchsorted(edges, scan.pairs.rows, side="right") - 1
+    heads = np.unique(scan.pairs.heads).tolist()
+    labels = [f"{dump.q_offset + a}-{dump.q_offset + b - 1}" for a, b in zip(edges[:-1], edges[1:])]
+    grid = np.full((len(heads), len(labels)), np.nan)
+    for i, h in enumerate(heads):
+        for j in range(len(labels)):
+            cos = scan.cos[(scan.pairs.heads == h) & (bucket == j)]
+            if (~np.isnan(cos)).any():
+                grid[i, j] = np.nanmin(cos)
+    return Breakdown([(h, cos_stats(scan.cos[scan.pairs.heads == h])) for h in heads],
+                     [(lab, cos_stats(scan.cos[bucket == j])) for j, lab in enumerate(labels)], grid)
 
 
 @dataclass(frozen=True)
 class AttributeTable:
+    """One dump's attribution: the pairs, worst first under the command's config, each variant's
+    cosines on them (the variants the engine lacks on the first ``cpu_worst`` only) and the breakdown
+    of the command's config over every selected pair."""
+
     pairs: Pairs
     variants: dict[str, VariantScore]
+    breakdown: Breakdown
 
     def to_json(self) -> dict:
         return dict(pairs=list(zip(self.pairs.rows.tolist(), self.pairs.heads.tolist())),
-                    variants={name: asdict(s) for name, s in self.variants.items()})
+                    variants={name: asdict(s) for name, s in self.variants.items()},
+                    breakdown=self.breakdown.to_json())
 
 
 # The stages of a row in data-flow order with the trace fields each one writes (§7.10, §8.6, §9). A
@@ -279,9 +460,9 @@ def fp16_headroom(dump, row: int, head: int, hot: np.ndarray, scale: float) -> t
 
 def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostics:
     row, head = int(scan.pairs.rows[i]), int(scan.pairs.heads[i])
-    G = dump.q.shape[1] // dump.k.shape[1]
+    G = dump.group
     hk = head // G
-    p, mass, contrib = tile_breakdown(dump, row, head, scan.config.softmax_scale(dump.q.shape[2]))
+    p, mass, contrib = tile_breakdown(dump, row, head, scan.config.softmax_scale(dump.hd))
     hot = pair_hot(dump, traced, row, head)
     packed = row * G + head % G
     rec = traced.rows[(traced.rows["hk"] == hk) & (traced.rows["row"] == packed)][0]
@@ -289,8 +470,8 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostic
     big = max(m1, m2)
     cold_fp4 = l1 * 2.0 ** (m1 - big) if l1 > 0 else 0.0
     hot_fp4 = l2 * 2.0 ** (m2 - big) if l2 > 0 else 0.0
-    ref_norm = float(np.linalg.norm(scan.ref[i]))
-    max_qk, max_o16 = fp16_headroom(dump, row, head, hot, scan.config.softmax_scale(dump.q.shape[2]))
+    ref_norm = float(scan.ref_norm[i])
+    max_qk, max_o16 = fp16_headroom(dump, row, head, hot, scan.config.softmax_scale(dump.hd))
     return PairDiagnostics(
         row=row, head=head, cos=float(scan.cos[i]), rel_l2=float(scan.rel[i]),
         hot_tiles=int(hot.sum()), tiles=int(mass.size),
@@ -301,74 +482,134 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostic
     )
 
 
-def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, workers=1,
-          progress=None) -> tuple[Scan, list[PairDiagnostics]]:
+def _engine(jobs: list[Job], configs, backend, workers) -> Engine:
+    return select_engine(backend, configs, [job.dump.hd for job in jobs], workers=workers)
+
+
+def scan_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) -> list[Scan]:
+    """Every job's pairs under ``cfg``, split into hot and cold parts (pool them with Scan.pooled)."""
+    return [s for (s,) in evaluate(jobs, [cfg], engine, split=True, progress=progress)]
+
+
+def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *,
+               progress=None) -> tuple[list[Scan], list[tuple[int, PairDiagnostics]]]:
+    """The ``n`` lowest-cosine pairs over all jobs (non-finite first), each with its job's index."""
     _check_count(n)
-    pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
-    scan = run_pairs(dump, cfg, pairs, workers=workers, progress=progress)
-    order = scan.order()[:n]
-    G = dump.q.shape[1] // dump.k.shape[1]
-    sub = Pairs(scan.pairs.rows[order], scan.pairs.heads[order])
-    traced = attention(dump.q, dump.k, dump.v, dump.q_offset, cfg, warps=sub.warps(G), trace=sub.warps(G))
-    return scan, [pair_diagnostics(dump, scan, int(i), traced) for i in order]
+    scans = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
+    keys = np.concatenate([np.where(s.finite, s.cos, -np.inf) for s in scans])
+    owner = np.concatenate([np.full(len(s.pairs), j) for j, s in enumerate(scans)])
+    local = np.concatenate([np.arange(len(s.pairs)) for s in scans])
+    chosen = np.argsort(keys, kind="stable")[:n]
+    picked = {j: local[chosen[owner[chosen] == j]] for j in np.unique(owner[chosen]).tolist()}
+    sub = [Job(jobs[j].dump, scans[j].pairs.take(idx), jobs[j].name) for j, idx in picked.items()]
+    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], engine, trace=True))))
+    return scans, [(int(owner[c]), pair_diagnostics(jobs[owner[c]].dump, scans[owner[c]], int(local[c]),
+                                                    traced[owner[c]].result)) for c in chosen]
 
 
-def pair(dump, cfg: Config, row: int, head: int) -> PairReport:
-    pairs = Pairs.select(dump.q.shape[0], dump.q.shape[1], [row], [head], names=("--row", "--head"))
-    G = dump.q.shape[1] // dump.k.shape[1]
-    scan = run_pairs(dump, cfg, pairs, trace=pairs.warps(G))
+def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, backend="auto", workers=1,
+          progress=None) -> tuple[Scan, list[PairDiagnostics]]:
+    jobs = [Job.of(dump, pairs)]
+    scans, diags = worst_jobs(jobs, cfg, n, _engine(jobs, [cfg], backend, workers), progress=progress)
+    return scans[0], [d for _, d in diags]
+
+
+def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -> PairReport:
+    pairs = Pairs.select(dump.n, dump.nh, [row], [head], names=("--row", "--head"))
+    scan = run_pairs(dump, cfg, pairs, backend=backend, workers=workers, trace=True)
     diag = pair_diagnostics(dump, scan, 0, scan.result)
-    p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.q.shape[2]))
+    p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.hd))
     hot = pair_hot(dump, scan.result, row, head)
-    ref = scan.ref[0]
-    hot_part = contrib[hot].sum(axis=0)
-    cold_part = contrib[~hot].sum(axis=0)
-    lane = (row * G + head % G) % ROWS
-    visits = scan.result.visits
+    lane = (row * dump.group + head % dump.group) % ROWS
+    hot_norm, cold_norm, _ = (float(x[0]) for x in scan.split)
     return PairReport(
         diag=diag,
         top_tile=int(np.argmax(mass)), top_tile_mass=float(mass.max()),
         hot_mass=float(mass[hot].sum()), hot_list=np.nonzero(hot)[0].tolist(),
-        ref_norm=float(np.linalg.norm(ref)), hot_norm=float(np.linalg.norm(hot_part)),
-        cold_norm=float(np.linalg.norm(cold_part)),
+        ref_norm=float(scan.ref_norm[0]), hot_norm=hot_norm, cold_norm=cold_norm,
         out_norm=float(np.linalg.norm(scan.out[0].astype(np.float64))),
         mass=mass, contrib_norm=np.linalg.norm(contrib, axis=1), hot=hot,
         visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]), c=float(r["c"][lane]),
                       m=float(r["m"][lane]), tl=float(r["tl"][lane]), la=float(r["la"][lane]),
-                      lc=float(r["lc"][lane])) for r in visits],
+                      lc=float(r["lc"][lane])) for r in scan.result.visits],
     )
 
 
-def attribute(dump, cfg: Config, n: int, *, workers=1, progress=None, variants=None) -> AttributeTable:
-    """Mean cosine of the ``n`` worst pairs (under ``cfg``) when only the named operands are quantized."""
-    _check_count(n)
-    variants = variants or ATTRIBUTE_VARIANTS
-    base = run_pairs(dump, cfg, Pairs.select(dump.q.shape[0], dump.q.shape[1]), workers=workers, progress=progress)
-    order = base.order()[:n]
-    sub = Pairs(base.pairs.rows[order], base.pairs.heads[order])
-    table = {}
-    for name, change in variants.items():
-        scan = run_pairs(dump, cfg.replace(**change), sub, ref=base.ref[order], workers=workers)
-        finite = scan.cos[scan.finite]
-        table[name] = VariantScore(mean_cos=float(finite.mean()) if finite.size else np.nan,
-                                   min_cos=float(finite.min()) if finite.size else np.nan,
-                                   nonfinite=int((~scan.finite).sum()), cos=scan.cos.tolist())
-    return AttributeTable(sub, table)
+@dataclass(frozen=True)
+class Attribution:
+    """Attribution tables of several dumps and the variants' scores over all their pairs."""
+
+    tables: list[AttributeTable]
+    pooled: dict[str, VariantScore]
 
 
-def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, workers=1, progress=None) -> list[SweepRow]:
-    pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
-    ref = None
-    rows = []
-    for eps in eps_list:
-        scan = run_pairs(dump, cfg.replace(eps=float(eps)), pairs, ref=ref, workers=workers, progress=progress)
-        ref = scan.ref
-        s = scan.summary
-        rows.append(SweepRow(eps=float(eps), hot_share=scan.result.hot_share,
-                             pooled_cos=s.pooled_cos if s else np.nan, mean_cos=s.mean_cos if s else np.nan,
-                             min_cos=s.min_cos if s else np.nan, below_0_9=s.below_0_9 if s else 0,
-                             nonfinite=int((~scan.finite).sum())))
-    return rows
+def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int | None = None,
+                   cpu_worst: int = CPU_WORST, variants=None, buckets: int = 8, workers: int = 1,
+                   progress=None) -> Attribution:
+    """Each variant of ``variants`` (default ATTRIBUTE_VARIANTS, applied to ``cfg``) on every selected
+    pair of each job, or on its ``worst`` lowest-cosine pairs under ``cfg``. The variants ``engine``
+    lacks (the emulator's MMA models, for the kernel) run on the CPU over the first ``cpu_worst`` of
+    those pairs (0: not at all)."""
+    for count in (worst, cpu_worst or None):
+        if count is not None:
+            _check_count(count)
+    changes = variants or ATTRIBUTE_VARIANTS
+    configs = {}
+    for name, change in changes.items():
+        try:
+            configs[name] = cfg.replace(**change)
+        except ValueError:  # no such config: mma=sm120 under --config quant_p=off, say
+            continue
+    own = {name: c for name, c in configs.items() if not any(engine.lacks(c, j.dump.hd) for j in jobs)}
+    emulated = {name: c for name, c in configs.items() if name not in own and cpu_worst}
+    own_cfgs = list(own.values())
+    if worst is None and cfg in own_cfgs:  # every pair: the command's own config is one of the variants
+        runs = evaluate(jobs, own_cfgs, engine, progress=progress)
+        bases = [r[own_cfgs.index(cfg)] for r in runs]
+        orders = [b.order() for b in bases]
+        cos = [[s.cos[o] for s in r] for r, o in zip(runs, orders)]
+    else:
+        bases = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
+        orders = [b.order()[:worst] for b in bases]
+        sub = [Job(j.dump, b.pairs.take(o), j.name) for j, b, o in zip(jobs, bases, orders)]
+        cos = [[s.cos for s in r] for r in evaluate(sub, own_cfgs, engine, progress=progress)]
+    chosen = [b.pairs.take(o) for b, o in zip(bases, orders)]
+    scores = [{name: VariantScore.of(engine.name, c) for name, c in zip(own, per_job)} for per_job in cos]
+    if emulated:
+        cpu = CpuEngine(workers)
+        few = [Job(j.dump, p.take(slice(0, cpu_worst)), j.name) for j, p in zip(jobs, chosen)]
+        for table, runs in zip(scores, evaluate(few, list(emulated.values()), cpu, progress=progress)):
+            table.update({name: VariantScore.of(cpu.name, s.cos) for name, s in zip(emulated, runs)})
+    order = [name for name in changes if name in own or name in emulated]
+    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets))
+              for j, p, b, sc in zip(jobs, chosen, bases, scores)]
+    pooled = {name: VariantScore.of(tables[0].variants[name].engine,
+                                    np.concatenate([np.asarray(t.variants[name].cos) for t in tables]))
+              for name in order}
+    return Attribution(tables, pooled)
+
+
+def attribute(dump, cfg: Config, n: int | None = None, *, backend="auto", workers=1, progress=None,
+              variants=None, cpu_worst: int = CPU_WORST, buckets: int = 8) -> AttributeTable:
+    """Cosines of every pair (or the ``n`` worst under ``cfg``) when only the named operands are
+    quantized or one toggle changes."""
+    jobs = [Job.of(dump)]
+    return attribute_jobs(jobs, cfg, _engine(jobs, [cfg], backend, workers), worst=n, cpu_worst=cpu_worst,
+                          variants=variants, buckets=buckets, workers=workers, progress=progress).tables[0]
+
+
+def sweep_jobs(jobs: list[Job], cfg: Config, eps_list, engine: Engine, *,
+               progress=None) -> tuple[list[list[SweepRow]], list[SweepRow]]:
+    """One row per ε for each job, and the rows of all jobs' pairs pooled."""
+    runs = evaluate(jobs, [cfg.replace(eps=float(e)) for e in eps_list], engine, progress=progress)
+    return ([[SweepRow.of(s) for s in r] for r in runs],
+            [SweepRow.of(Scan.pooled(list(per_eps))) for per_eps in zip(*runs)])
+
+
+def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, backend="auto", workers=1,
+          progress=None) -> list[SweepRow]:
+    jobs = [Job.of(dump, pairs)]
+    return sweep_jobs(jobs, cfg, eps_list, _engine(jobs, [cfg], backend, workers), progress=progress)[0][0]
 
 
 F16_MAX = 65504.0
@@ -392,18 +633,25 @@ class Headroom:
         return asdict(self)
 
 
-def headroom(dump, cfg: Config, pairs: Pairs | None = None, *, workers=1, progress=None) -> Headroom:
-    """How close the selected pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
-    pairs = pairs or Pairs.select(dump.q.shape[0], dump.q.shape[1])
-    scan = run_pairs(dump, cfg, pairs, workers=workers, progress=progress)
-    scale = cfg.softmax_scale(dump.q.shape[2])
-    est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), scale)
-                    for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
-    qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
-    at = lambda i: (int(pairs.rows[i]), int(pairs.heads[i]))  # noqa: E731
-    return Headroom(pairs=len(pairs), max_qk=float(est[qk, 0]), max_qk_pair=at(qk),
-                    qk_over=int((est[:, 0] > F16_MAX).sum()), max_o16=float(est[o16, 1]), max_o16_pair=at(o16),
-                    o16_over=int((est[:, 1] > F16_MAX).sum()), nonfinite=int((~scan.finite).sum()))
+def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) -> list[Headroom]:
+    """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
+    out = []
+    for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress)):
+        pairs, dump = job.pairs, job.dump
+        est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), cfg.softmax_scale(dump.hd))
+                        for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
+        qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
+        at = lambda i: (int(pairs.rows[i]), int(pairs.heads[i]))  # noqa: E731
+        out.append(Headroom(pairs=len(pairs), max_qk=float(est[qk, 0]), max_qk_pair=at(qk),
+                            qk_over=int((est[:, 0] > F16_MAX).sum()), max_o16=float(est[o16, 1]),
+                            max_o16_pair=at(o16), o16_over=int((est[:, 1] > F16_MAX).sum()),
+                            nonfinite=int((~scan.finite).sum())))
+    return out
+
+
+def headroom(dump, cfg: Config, pairs: Pairs | None = None, *, backend="auto", workers=1, progress=None) -> Headroom:
+    jobs = [Job.of(dump, pairs)]
+    return headroom_jobs(jobs, cfg, _engine(jobs, [cfg], backend, workers), progress=progress)[0]
 
 
 def _check_count(n: int) -> None:
