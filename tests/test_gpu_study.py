@@ -29,7 +29,7 @@ cupy = pytest.importorskip("cupy")
 import apa_gpu  # noqa: E402
 
 WORKERS = os.cpu_count() or 1
-EDGE_ROWS = 16  # the CPU side of the big dump: its first and last rows (warps at both ends of the causal range)
+EDGE_ROWS = 8  # the CPU side of the big dump: its first and last rows (warps at both ends of the causal range)
 
 
 @pytest.fixture(scope="module")

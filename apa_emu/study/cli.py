@@ -363,8 +363,8 @@ def cmd_headroom(args):
 def cmd_check(args):
     cfg = _config(args)
     if args.hypothesis:
-        if args.dumps or args.warps:
-            raise ValueError("--hypothesis checks generated problems: give it no dump and no --warps")
+        if args.dumps or args.warps or args.config:
+            raise ValueError("--hypothesis checks generated problems and configs: give it no dump, --warps or --config")
         require_gpu(Config(), ())
         seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         with _progress(True, "check, generated problems", WAITS["gpu"]) as prog:
