@@ -61,8 +61,11 @@ def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, place=None) -
     div = first_divergence(emu, gpu)
     if div is None:
         return None
-    if div["where"] == "visits" and "record" in div:
-        div["tile"] = int(emu.visits[div["record"]]["tile"])
+    if div["where"] == "visits" and "visit" in div:  # name the visit's tile beside it
+        keys = list(div)
+        at = keys.index("visit") + 1
+        div = {k: div[k] for k in keys[:at]} | {"tile": int(emu.visits[div["record"]]["tile"])} | \
+            {k: div[k] for k in keys[at:]}
     if place:
         div = place(div)
     path = save_reproducer(q, k, v, q_offset, cfg, trace, note=where)

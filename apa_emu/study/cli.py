@@ -17,10 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config import CHOICES, Config
-from .engine import BACKENDS
-from .scan import CPU_WORST
+from .check import check_dump, check_generated, require_gpu
 from .dump import HEAD_DIMS, builtin_dump_path, read_dump
+from .engine import BACKENDS, select_engine
+from .plots import plot_heatmap, plot_pair, plot_sweep
 from .report import NUMBA_WAIT, OutputError, emit, flush, progress_bar, say, table
+from .scan import (ATTRIBUTE_VARIANTS, CPU_WORST, F16_MAX, Job, Pairs, Scan, attribute_jobs, headroom_jobs, pair,
+                   scan_jobs, sweep_jobs, worst_jobs)
 
 EXIT_DIVERGED = 1  # apa check: the kernel and the emulator differ
 EXIT_ERROR = 2
@@ -67,8 +70,6 @@ def _dump_paths(args) -> list[Path]:
 
 def _jobs(args):
     """Each dump with its selected pairs (--rows, --heads where the command has them)."""
-    from .scan import Job
-
     paths = _dump_paths(args)
     jobs = []
     for path in paths:
@@ -95,8 +96,6 @@ def _workers(requested: int) -> int:
 
 
 def _pairs(args, dump):
-    from .scan import Pairs
-
     return Pairs.select(dump.n, dump.nh, _parse_list(getattr(args, "rows", None), "--rows"),
                         _parse_list(getattr(args, "heads", None), "--heads"))
 
@@ -113,9 +112,8 @@ def _devices(text: str) -> tuple[int, ...]:
 
 def _engine(args, cfg: Config, dims):
     """The engine of the command, chosen once; a fallback of --backend auto is said in one line."""
-    from .engine import select_engine
-
-    engine = select_engine(args.backend, [cfg], dims, workers=args.workers, devices=getattr(args, "devices", None) or ())
+    engine = select_engine(args.backend, [cfg], dims, workers=args.workers,
+                           devices=getattr(args, "devices", None) or ())
     if engine.note:
         print(f"apa: note: {engine.note}", file=sys.stderr)
     return engine
@@ -167,7 +165,8 @@ def _progress(enabled: bool, label: str, *wait: str):
 
 
 def _payload(jobs, cfg: Config, engine, **fields) -> dict:
-    where = dict(dump=str(jobs[0].dump.path)) if len(jobs) == 1 else dict(dumps=[str(j.dump.path) for j in jobs])
+    paths = [str(job.dump.path) for job in jobs]
+    where = dict(dump=paths[0]) if len(paths) == 1 else dict(dumps=paths)
     return dict(**where, config=dataclasses.asdict(cfg), backend=engine.name, **fields)
 
 
@@ -195,8 +194,6 @@ def _named(jobs, title: str) -> str:
 
 
 def cmd_scan(args):
-    from .scan import Scan, scan_jobs
-
     jobs, cfg, engine, scans = _study(args, lambda jobs, cfg, engine, prog: scan_jobs(jobs, cfg, engine, progress=prog))
     title = f"{_named(jobs, 'apa scan')} (eps={cfg.eps}, {engine.name})"
     if len(jobs) > 1:
@@ -228,8 +225,6 @@ def _scan_row(name, scan) -> list:
 
 
 def cmd_worst(args):
-    from .scan import worst_jobs
-
     jobs, cfg, engine, (_, diags) = _study(args, lambda jobs, cfg, engine, prog: worst_jobs(
         jobs, cfg, args.n, engine, progress=prog))
     many = len(jobs) > 1
@@ -242,14 +237,10 @@ def cmd_worst(args):
 
 
 def cmd_pair(args):
-    from .plots import plot_pair
-    from .scan import Job, Pairs, pair
-
     dump, path = _load(args)
     cfg = _config(args)
-    Pairs.select(dump.n, dump.nh, [args.row], [args.head], names=("--row", "--head"))  # before the engine's note
-    jobs = [Job(dump, None, path.name)]
-    engine = _engine(args, cfg, [dump.hd])
+    jobs = [Job(dump, Pairs.select(dump.n, dump.nh, [args.row], [args.head], names=("--row", "--head")), path.name)]
+    engine = _engine(args, cfg, [dump.hd])  # after the checks: a wrong --row is the one line
     info = pair(dump, cfg, args.row, args.head, backend=engine)
     d = info.diag
     summary = [
@@ -278,9 +269,6 @@ _STATS = ["pairs", "mean_cos", "min_cos", "below_0_999", "nonfinite"]
 
 
 def cmd_attribute(args):
-    from .plots import plot_heatmap
-    from .scan import attribute_jobs
-
     jobs, cfg, engine, att = _study(args, lambda jobs, cfg, engine, prog: attribute_jobs(
         jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets, workers=args.workers,
         progress=prog))
@@ -293,8 +281,8 @@ def cmd_attribute(args):
         if many:
             rows.append([name, "pooled", pooled.engine, *(getattr(pooled, c) for c in _STATS)])
     scope = "every pair" if args.worst is None else f"the {args.worst} lowest-cosine pairs{' of each dump' * many}"
-    slow = {s.engine for s in att.pooled.values()} - {engine.name}
-    note = f"; variants on the {', '.join(sorted(slow))}: the {args.cpu_worst} worst of them" if slow else ""
+    slow = any(s.engine != engine.name for s in att.pooled.values())
+    note = "; the variants the kernel lacks on the CPU emulator, over the lowest-cosine pairs" if slow else ""
     tables = [table(f"{_named(jobs, 'apa attribute')} ({engine.name}): cosines of {scope} under each variant{note}",
                     ["variant", *["dump"] * many, "engine", *_STATS], rows)]
     for job, t in zip(jobs, att.tables):
@@ -324,9 +312,6 @@ def cfg_name(cfg: Config) -> str:
 
 
 def cmd_sweep(args):
-    from .plots import plot_sweep
-    from .scan import sweep_jobs
-
     for eps in args.eps:
         Config(eps=eps)  # each ε is checked up front, before any run
     jobs, cfg, engine, (per_dump, pooled) = _study(args, lambda jobs, cfg, engine, prog: sweep_jobs(
@@ -349,9 +334,8 @@ def cmd_sweep(args):
 
 
 def cmd_headroom(args):
-    from .scan import F16_MAX, headroom_jobs
-
-    jobs, cfg, engine, hs = _study(args, lambda jobs, cfg, engine, prog: headroom_jobs(jobs, cfg, engine, progress=prog))
+    jobs, cfg, engine, hs = _study(args, lambda jobs, cfg, engine, prog: headroom_jobs(jobs, cfg, engine,
+                                                                                       progress=prog))
     title = f"{_named(jobs, 'apa headroom')}: pass 2's FP16 accumulators, float64 estimates"
     if len(jobs) > 1:
         cols = ["dump", "pairs", "max_qk", "max_qk_at", "qk_over", "max_o16", "max_o16_at", "o16_over", "nonfinite"]
@@ -372,16 +356,15 @@ def cmd_headroom(args):
             ("max |running O|", h.max_o16), ("  its share of the FP16 max", h.max_o16 / F16_MAX),
             ("  at (row, head)", h.max_o16_pair), ("  pairs past the FP16 max", h.o16_over),
             ("pairs with a non-finite output", h.nonfinite)]
-    emit(args.json, _payload(jobs, cfg, engine, fp16_max=F16_MAX, headroom=h.to_json()), [table(title, ["metric", "value"], rows)])
+    emit(args.json, _payload(jobs, cfg, engine, fp16_max=F16_MAX, headroom=h.to_json()),
+         [table(title, ["metric", "value"], rows)])
 
 
 def cmd_check(args):
-    from .check import check_dump, check_generated, require_gpu
-
     cfg = _config(args)
     if args.hypothesis:
-        if args.dumps or args.warps:
-            raise ValueError("--hypothesis checks generated problems: give it no dump and no --warps")
+        if args.dumps or args.warps or args.config:
+            raise ValueError("--hypothesis checks generated problems and configs: give it no dump, --warps or --config")
         require_gpu(Config(), ())
         seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         with _progress(True, "check, generated problems", WAITS["gpu"]) as prog:
@@ -506,8 +489,6 @@ _HEADROOM_NOTES = """Pass 2 accumulates the scores q·k and the output O in FP16
 
 
 def _attribute_epilog() -> str:
-    from .scan import ATTRIBUTE_VARIANTS
-
     ops = ("quant_q", "quant_k", "quant_p", "quant_v")
     lines = []
     for name, change in ATTRIBUTE_VARIANTS.items():

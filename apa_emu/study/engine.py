@@ -74,7 +74,18 @@ class Engine:
         return x
 
     def attention(self, q, k, v, q_offset, cfg: Config, *, warps, trace, progress) -> Result:
+        """The emulator's or the kernel's Result of one unit (``put`` arrays); ``warps`` must be run,
+        others may be."""
         raise NotImplementedError
+
+    def reference(self, q, k, v, q_offset: int, rows, heads, scale: float, hot=None) -> fp64.Reference:
+        """Float64 attention of a unit's pairs, kept where the engine computes (``fp64.reference``)."""
+        return fp64.reference(self.xp, q, k, v, q_offset, rows, heads, scale,
+                              hot=None if hot is None else self.xp.asarray(hot), block_elements=self.block_elements)
+
+    def metrics(self, out, ref) -> fp64.PairSums:
+        """The per-pair sums of FP16 outputs against a reference, reduced where it lives."""
+        return fp64.pair_sums(self.xp, out, ref)
 
     def lacks(self, cfg: Config, d: int) -> str | None:
         """Why this engine cannot run ``cfg`` (None: it can)."""
@@ -219,7 +230,7 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
     """Every config on one unit; the reference is computed once (per softmax scale) unless ``split``
     asks for each config's hot and cold parts. ``step(n)`` gives the progress callback of a call of
     ``n`` steps."""
-    G, hk, xp = dump.group, unit.hk, engine.xp
+    G, hk = dump.group, unit.hk
     q = engine.put(dump.q[:, hk * G:(hk + 1) * G])
     k, v = engine.put(dump.k[:, hk:hk + 1]), engine.put(dump.v[:, hk:hk + 1])
     warps = {(0, 0, int(w)) for w in unit.warps}
@@ -232,12 +243,12 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
         hot = res.hot[0, 0] * keep
         scale = float(cfg.softmax_scale(dump.hd))
         if split or scale not in refs:
-            refs[scale] = fp64.reference(xp, q, k, v, dump.q_offset, unit.rows, unit.heads, scale,
-                                         hot=xp.asarray(hot) if split else None, block_elements=engine.block_elements)
+            refs[scale] = engine.reference(q, k, v, dump.q_offset, unit.rows, unit.heads, scale,
+                                           hot=hot if split else None)
         ref = refs[scale]
         out = res.out[unit.rows, unit.heads]
         parts = (ref.hot_norm, ref.cold_norm, ref.cold_mass)
-        runs.append(UnitRun(out, hot, fp64.pair_sums(xp, out, ref.out),
+        runs.append(UnitRun(out, hot, engine.metrics(out, ref.out),
                             tuple(fp64.host(a) for a in parts) if split else None,
                             _in_dump(res.visits, hk), _in_dump(res.rows, hk)))
     return runs

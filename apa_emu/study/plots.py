@@ -70,17 +70,25 @@ def plot_sweep(series: dict[str, list[SweepRow]], out, title) -> str:
 
 
 def plot_heatmap(panels: dict[str, Breakdown], out, title) -> str:
-    """Min cosine of each (head, query-position bucket), one panel per dump."""
+    """Min cosine of each (head, query-position bucket), one panel per dump, as 1 − cos on a log scale
+    (cosines near 1 differ in their sixth digit), each cell labelled."""
+    from matplotlib.colors import LogNorm
+
     plt = _pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.28 * sum(len(b.heads) for b in panels.values())
                                                        + 1.2 * len(panels)), squeeze=False)
     for a, (name, b) in zip(axes[:, 0], panels.items()):
-        im = a.imshow(b.min_cos, aspect="auto", cmap="viridis", interpolation="nearest")
+        gap = np.clip(1.0 - b.min_cos, 1e-16, None)
+        im = a.imshow(gap, aspect="auto", cmap="magma", norm=LogNorm(), interpolation="nearest")
+        for (i, j), g in np.ndenumerate(gap):
+            if np.isfinite(g):
+                a.text(j, i, f"{g:.1e}", ha="center", va="center", fontsize=6,
+                       color="black" if im.norm(g) > 0.6 else "white")
         a.set_yticks(range(len(b.heads)), [str(h) for h, _ in b.heads], fontsize=7)
         a.set_xticks(range(len(b.buckets)), [lab for lab, _ in b.buckets], fontsize=7, rotation=30)
         a.set_ylabel("query head")
-        a.set_title(f"{name}: min cosine by head and query position", fontsize=9)
-        fig.colorbar(im, ax=a, label="min cosine")
+        a.set_title(f"{name}: 1 − min cosine by head and query position", fontsize=9)
+        fig.colorbar(im, ax=a, label="1 − min cosine")
     axes[-1, 0].set_xlabel("query positions")
     fig.suptitle(f"apa attribute {title}", fontsize=10)
     fig.tight_layout()
