@@ -25,97 +25,13 @@ from apa_emu.config import Config
 import apa_gpu
 from apa_gpu import device
 from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
+from apa_gpu.strategies import configs, make_inputs, problems
 
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("APA_GPU_EXAMPLES", "40"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-STRUCTURES = ("normal", "sink", "diffuse", "outliers", "channel", "tiny", "extreme")
-
-
-def make_inputs(seed, B, n, Hkv, G, d, S, structure, batched=True):
-    """FP16 q [B,n,H,d], k, v [B,S,Hkv,d] (no batch axis when not batched) of a given structure."""
-    rng = np.random.default_rng(seed)
-    H = Hkv * G
-    q = rng.standard_normal((B, n, H, d))
-    k = rng.standard_normal((B, S, Hkv, d))
-    v = rng.standard_normal((B, S, Hkv, d))
-    if structure == "sink":
-        # key 0 (and sometimes a second key) aligned with every query: a dominant sink
-        dirn = rng.standard_normal(d)
-        dirn /= np.linalg.norm(dirn)
-        q += 3.0 * dirn
-        k[:, 0] += rng.uniform(4, 40) * dirn
-        if S > 100:
-            k[:, rng.integers(1, S)] += 8.0 * dirn
-    elif structure == "diffuse":
-        q *= 0.02
-    elif structure == "outliers":
-        for x in (q, k, v):
-            x += rng.standard_normal(x.shape) * 10.0 * (rng.random(x.shape) < 0.002)
-    elif structure == "channel":
-        k += rng.standard_normal((1, 1, Hkv, d)) * rng.uniform(2, 200)
-        q *= rng.uniform(0.05, 2)
-    elif structure == "tiny":
-        scale = 2.0 ** rng.integers(-30, -14)
-        q *= scale * 2**10
-        k *= scale
-        v *= scale
-    elif structure == "extreme":
-        # magnitudes up to the top of FP16, finite; some rows and keys at the range edge
-        amp = float(rng.choice([1e2, 3e3, 6e4]))
-        q = np.clip(q * amp / 4, -65504, 65504)
-        k = np.clip(k * amp / 4, -65504, 65504)
-        v = np.clip(v * amp / 4, -65504, 65504)
-        k[:, rng.integers(0, S)] = 65504.0 * np.sign(rng.standard_normal(d))
-    q, k, v = (x.astype(np.float16) for x in (q, k, v))
-    if not batched:
-        q, k, v = q[0], k[0], v[0]
-    return q, k, v
-
-
-@st.composite
-def problems(draw):
-    d = draw(st.sampled_from([64, 128]))
-    Hkv = draw(st.integers(1, 2))
-    G = draw(st.sampled_from([1, 2, 3, 4, 6]))
-    batched = draw(st.booleans())
-    B = draw(st.integers(1, 2)) if batched else 1
-    n = draw(st.integers(1, 90))
-    S = draw(st.integers(1, 330))
-    off_mode = draw(st.sampled_from(["prefill", "zero", "random"]))
-    if off_mode == "prefill":
-        q_offset = max(0, S - n)
-    elif off_mode == "zero":
-        q_offset = 0
-    else:
-        q_offset = draw(st.integers(0, S + 80))
-    structure = draw(st.sampled_from(STRUCTURES))
-    seed = draw(st.integers(0, 2**32 - 1))
-    return dict(seed=seed, B=B, n=n, Hkv=Hkv, G=G, d=d, S=S, structure=structure, batched=batched), q_offset
-
-
-@st.composite
-def configs(draw):
-    return Config(
-        eps=draw(st.sampled_from([0.005, 0.005, 0.0, 0.02, 1e-4, 0.3, 1e9, -1.0])),
-        quant_q=draw(st.booleans() | st.just(True)),
-        quant_k=draw(st.booleans() | st.just(True)),
-        quant_p=draw(st.booleans() | st.just(True)),
-        quant_v=draw(st.booleans() | st.just(True)),
-        q_format=draw(st.sampled_from(["nvfp4", "nvfp4", "fp8"])),
-        q_terms=draw(st.sampled_from([2, 2, 1])),
-        p_scale=draw(st.sampled_from(["ue4m3", "ue4m3", "pow2"])),
-        block_scale=draw(st.sampled_from(["lsq", "lsq", "nearest"])),
-        tile_order=draw(st.sampled_from(["diagonal", "diagonal", "ascending"])),
-        delta=draw(st.sampled_from([32.0, 32.0, 0.0, 8.0, 1.5])),
-        tau=draw(st.integers(0, 8) | st.just(4)),
-        p2_accum=draw(st.sampled_from(["f16", "f16", "f32"])),
-        p_groups=draw(st.sampled_from(["consecutive", "consecutive", "interleaved"])),
-        scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
-    )
 
 
 def check_bitwise(q, k, v, q_offset, cfg, trace="all"):
