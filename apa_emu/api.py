@@ -132,7 +132,6 @@ class WarpResult:
 
     w: int
     out: np.ndarray  # [16, d] f16
-    hot: np.ndarray  # [W] u32 (§10)
     active: int  # T_w + 1 (§6.3)
     nhot: int
     p1: P1Out
@@ -218,7 +217,7 @@ class _Runner:
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
         out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft)
-        res = WarpResult(w, out, p1.hot_words, wr.last_tile + 1, len(tiles), p1, p2)
+        res = WarpResult(w, out, wr.last_tile + 1, len(tiles), p1, p2)
         if traced:
             res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
         return res
@@ -304,7 +303,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
     for b, hk, res in results:
         rows_out[b, hk, res.w * ROWS:(res.w + 1) * ROWS] = res.out
-        hot[b, hk, res.w] = res.hot
+        hot[b, hk, res.w] = res.p1.hot_words
     out = np.stack([unpack_rows(rows_out[b, :, :shape.R], n, G) for b in range(B)])
     visits = [res.visits for _, _, res in results if res.visits is not None]
     row_recs = [res.rows for _, _, res in results if res.rows is not None]
