@@ -46,13 +46,7 @@ def mixed_problem(d: int):
 
 def merged_f64(rows) -> np.ndarray:
     """The §9 merge evaluated in float64 from the traced binary32 states (no final FP16 rounding)."""
-    m1, l1, m2, l2 = (rows[f].astype(np.float64) for f in ("m1", "l1", "m2", "l2"))
-    big = np.maximum(m1, m2)
-    with np.errstate(invalid="ignore"):
-        w1 = np.where(l1 > 0, np.exp2(np.where(l1 > 0, m1 - big, 0)), 0.0)
-        w2 = np.where(l2 > 0, np.exp2(np.where(l2 > 0, m2 - big, 0)), 0.0)
-    num = w1[:, None] * rows["part"] + w2[:, None] * rows["o2"]
-    return num / (w1 * l1 + w2 * l2)[:, None]
+    return merge_f64(*(rows[f] for f in ("m1", "l1", "part", "m2", "l2", "o2")))
 
 
 def packed_reference(q, k, v, off, rows) -> np.ndarray:
