@@ -7,6 +7,9 @@ The kernel must be built with our own flags (numerics.md §1.2): CuPy's NVRTC pa
 Cache: ``$APA_GPU_CACHE`` or ``~/.cache/apa_gpu``; the file name carries a hash of every file in
 ``cuda/``, the flags, the variant's defines and the nvcc version, so an edit anywhere rebuilds.
 
+Sources: ``$APA_GPU_SOURCES`` names another copy of ``cuda/`` to build instead (an edited copy being
+checked with ``apa check``, or one with a planted bug that the check must catch).
+
 ``APA_GPU_BACKEND`` (``cuda``, the default, or ``sim``) chooses the build product and the backend
 that runs it (``apa_gpu.device``): ``sim`` builds the CPU simulator instead (``cuda/sim/``: the same
 kernel sources compiled by g++ into a shared library), for checking everything but the tensor cores
@@ -34,6 +37,17 @@ from functools import lru_cache
 from pathlib import Path
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+
+
+def sources_dir() -> Path:
+    """The kernel sources to build: ``$APA_GPU_SOURCES``, else the repository's ``cuda/``."""
+    d = os.environ.get("APA_GPU_SOURCES")
+    if not d:
+        return CUDA_DIR
+    path = Path(d).expanduser()
+    if not (path / "apa.cu").is_file():
+        raise BuildError(f"APA_GPU_SOURCES={d}: not a copy of cuda/ (it has no apa.cu)")
+    return path
 
 # numerics.md §1: no FMA contraction, subnormals kept, correctly rounded division.
 FLAGS = (
@@ -128,10 +142,10 @@ def cache_dir() -> Path:
 
 
 def sources_hash() -> str:
-    h = hashlib.sha256()
-    for p in sorted(CUDA_DIR.rglob("*")):
+    h, root = hashlib.sha256(), sources_dir()
+    for p in sorted(root.rglob("*")):
         if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".cpp"):
-            h.update(str(p.relative_to(CUDA_DIR)).encode())
+            h.update(str(p.relative_to(root)).encode())
             h.update(b"\0")
             h.update(p.read_bytes())
             h.update(b"\0")
@@ -147,9 +161,9 @@ def build_sim(variant=Variant()) -> Path:
     """The simulator library of ``variant`` (g++), cached like the cubins."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or "g++"
     if variant == PROBE:
-        src, defines, name = CUDA_DIR / "sim" / "sim_probe.cpp", (), "sim_probe"
+        src, defines, name = sources_dir() / "sim" / "sim_probe.cpp", (), "sim_probe"
     else:
-        src, defines, name = CUDA_DIR / "sim" / "sim_apa.cpp", variant.defines(), "sim_" + variant.name
+        src, defines, name = sources_dir() / "sim" / "sim_apa.cpp", variant.defines(), "sim_" + variant.name
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
     key = _key(sources_hash(), src.name, " ".join(SIM_FLAGS), " ".join(defines), *ver)
 
@@ -164,8 +178,8 @@ def build_sim(variant=Variant()) -> Path:
 
 def _source_and_defines(variant) -> tuple[Path, tuple[str, ...], str]:
     if variant == PROBE:
-        return CUDA_DIR / "probe.cu", (), "probe"
-    return CUDA_DIR / "apa.cu", variant.defines(), variant.name
+        return sources_dir() / "probe.cu", (), "probe"
+    return sources_dir() / "apa.cu", variant.defines(), variant.name
 
 
 def _key(*parts: str) -> str:

@@ -86,17 +86,18 @@ def repro_dir() -> Path:
     return Path(os.environ.get("APA_GPU_REPRO_DIR", "/tmp/apa_gpu_repro"))
 
 
-def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "") -> Path:
-    """Write an .npz reproducer named by a hash of its content; returns its path."""
+def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "", schedule: str = "separate") -> Path:
+    """Write an .npz reproducer named by a hash of its content (the launch schedule included: each
+    is its own code path); returns its path."""
     h = hashlib.sha256()
     for x in (q, k, v):
         h.update(np.ascontiguousarray(x).tobytes())
     cfg_json = config_to_json(cfg)
-    h.update(f"{q_offset}|{cfg_json}|{trace}".encode())
+    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}".encode())
     path = repro_dir() / f"apa_gpu_{h.hexdigest()[:16]}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, q=q, k=k, v=v, q_offset=np.int64(q_offset), config=cfg_json,
-                        trace=json.dumps(trace), note=note)
+                        trace=json.dumps(trace), note=note, schedule=schedule)
     return path
 
 
@@ -106,7 +107,7 @@ def load_reproducer(path):
     if isinstance(trace, list):
         trace = [tuple(t) for t in trace]
     return dict(q=z["q"], k=z["k"], v=z["v"], q_offset=int(z["q_offset"]), config=config_from_json(str(z["config"])),
-                trace=trace)
+                trace=trace, schedule=str(z["schedule"]) if "schedule" in z else "separate")
 
 
 def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:

@@ -21,15 +21,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file")
     ap.add_argument("--workers", type=int, default=1, help="emulator worker processes")
-    ap.add_argument("--schedule", default="separate", choices=SCHEDULES, help="kernel launch schedule")
+    ap.add_argument("--schedule", choices=SCHEDULES,
+                    help="kernel launch schedule (default: the one the reproducer was saved under)")
     args = ap.parse_args(argv)
     r = load_reproducer(args.file)
     q, k, v, off, cfg, trace = r["q"], r["k"], r["v"], r["q_offset"], r["config"], r["trace"]
-    print(f"q {q.shape} k {k.shape} q_offset {off}\nconfig {cfg}")
+    schedule = args.schedule or r["schedule"]
+    print(f"q {q.shape} k {k.shape} q_offset {off}\nconfig {cfg}\nschedule {schedule}")
     prep = prep_divergence(q, k, v, off, cfg)
     print("prep: " + (prep or "bitwise equal"))
     emu = apa_emu.attention(q, k, v, off, cfg, trace=trace, workers=args.workers)
-    gpu = attention(q, k, v, off, cfg, trace=trace, schedule=args.schedule)
+    gpu = attention(q, k, v, off, cfg, trace=trace, schedule=schedule)
     div = first_divergence(emu, gpu)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1

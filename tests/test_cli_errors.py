@@ -185,8 +185,8 @@ def _record(**bad):
     (dict(m1=-np.inf, l1=0.0), None),  # no cold tile: not an overflow
     (dict(m2=-np.inf, l2=0.0), None),  # no hot tile
     (dict(part=np.inf), "pass 1 (FP4 estimate of the cold tiles) overflowed: part holds Inf"),
-    (dict(m2=np.inf, l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k) overflowed: m2 holds Inf"),
-    (dict(l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k) overflowed: l2 holds NaN"),
+    (dict(m2=np.inf, l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k, row max and sum) overflowed: m2 holds Inf"),
+    (dict(l2=np.nan, o2=np.nan, out=np.nan), "pass 2 (FP16 scores q·k, row max and sum) overflowed: l2 holds NaN"),
     (dict(o2=np.inf, out=np.inf), "pass 2 (FP16 output accumulation P·V) overflowed: o2 holds Inf"),
     (dict(out=np.inf), "the merge (FP16 output) overflowed: out holds Inf"),
 ])
@@ -211,7 +211,7 @@ def test_headroom_estimates_predict_the_overflow(v_mean, q_scale):
             assert diag.max_qk > scan.F16_MAX
     kinds = {diag.overflow.split(":")[0] if diag.overflow else None for diag in diags}
     assert kinds == {(16, 1.0): {None}, (128, 1.0): {"pass 2 (FP16 output accumulation P·V) overflowed"},
-                     (0, 60.0): {None}, (0, 300.0): {"pass 2 (FP16 scores q·k) overflowed"}}[v_mean, q_scale]
+                     (0, 60.0): {None}, (0, 300.0): {"pass 2 (FP16 scores q·k, row max and sum) overflowed"}}[v_mean, q_scale]
 
 
 def test_ctrl_c_in_process(capsys, dumps, monkeypatch):

@@ -118,10 +118,10 @@ def test_ptx_has_no_fma_ftz_or_approx(variant):
 
 def test_cache_key_tracks_sources(tmp_path, monkeypatch):
     """A build is reused while nothing changes and rebuilt after an edit to any file of cuda/, also
-    one the entry file only includes."""
+    one the entry file only includes; $APA_GPU_SOURCES chooses the copy built."""
     cuda = tmp_path / "cuda"
     shutil.copytree(build.CUDA_DIR, cuda)
-    monkeypatch.setattr(build, "CUDA_DIR", cuda)
+    monkeypatch.setenv("APA_GPU_SOURCES", str(cuda))
     monkeypatch.setenv("APA_GPU_CACHE", str(tmp_path / "cache"))
     p1 = build.build(build.PROBE)
     assert p1.parent == tmp_path / "cache" and p1.is_file()
@@ -130,3 +130,6 @@ def test_cache_key_tracks_sources(tmp_path, monkeypatch):
         f.write("\n// edited\n")
     p2 = build.build(build.PROBE)
     assert p2 != p1 and p2.is_file() and p1.is_file()
+    monkeypatch.setenv("APA_GPU_SOURCES", str(tmp_path / "cache"))
+    with pytest.raises(build.BuildError, match=r"^APA_GPU_SOURCES=.*: not a copy of cuda/ \(it has no apa\.cu\)$"):
+        build.build(build.PROBE)

@@ -90,7 +90,7 @@ def test_fused_schedule_matches(problem, cfg):
     fused = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule="fused")
     div = first_divergence(sep, fused)
     if div is not None:
-        path = save_reproducer(q, k, v, q_offset, cfg, "all", note="fused vs separate")
+        path = save_reproducer(q, k, v, q_offset, cfg, "all", note="fused vs separate", schedule="fused")
         raise AssertionError(f"fused differs from separate (emulator=separate, gpu=fused): {describe(div)}\n"
                              f"reproducer: {path}")
 

@@ -87,3 +87,33 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
     assert any(0 < h < a for h, a in hot), "no problem mixed hot and cold tiles"
     assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) > 100, "too few rows merged both parts"
     assert hot[9][0] == 0, "ε = 1 can make no tile hot"
+
+
+@pytest.fixture(scope="module")
+def small_dump(tmp_path_factory):
+    from apa_emu.study.dump import write_dump
+    from apa_emu.study.synth import synthetic
+
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    return write_dump(tmp_path_factory.mktemp("check") / "small.apadump", d.q, d.k, d.v, d.q_offset)
+
+
+@pytest.mark.parametrize("mutant, stage, where", [
+    ("K4", "pass 2 (FP16 scores q·k, row max and sum)", "field='l2'"),  # one addition's rounding order
+    ("K6", "pass 1 (visit records", "where='visits'"),  # the seed's fmaf: one rounding fewer
+])
+def test_apa_check_names_the_stage_of_a_planted_kernel_bug(tmp_path, small_dump, mutant, stage, where):
+    """`apa check` on kernels built from cuda/ with one rounding changed: it exits 1 and names the
+    stage that wrote the first differing value; on the sources as they are, it exits 0."""
+    from planted import apa_check, planted_sources
+
+    args = [small_dump, "--warps", "0", "--schedule", "separate"]
+    kw = dict(backend="sim", cache=tmp_path / "cache", repro=tmp_path / "repro")
+    r = apa_check(args, sources=planted_sources(tmp_path, mutant), **kw)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("apa check: the kernel differs from the emulator in small.apadump (KV head 0, "
+                               f"separate schedule), stage {stage}"), r.stdout
+    assert where in lines[1] and len(list((tmp_path / "repro").glob("*.npz"))) == 1
+    clean = apa_check(args, **kw)
+    assert clean.returncode == 0 and "bitwise" in clean.stdout, clean.stdout + clean.stderr

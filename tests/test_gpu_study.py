@@ -2,7 +2,8 @@
 reference in CuPy against apa_emu's oracle, scan, sweep and attribute with identical outputs and hot
 masks and metrics within 1e-12 (the built-in dump and a synthetic 8192-key d = 128 dump; the CPU side
 on a subset of rows), the CLI end to end, several processes on the GPUs, the memory refusal, memory
-released after a study, and ``apa check`` passing and naming planted divergences. Marked ``gpu``.
+released after a study, and ``apa check`` passing and naming the stage of a kernel built with one
+rounding changed. Marked ``gpu``.
 
 Run: ``python -m pytest -q -m gpu tests/test_gpu_study.py``.
 """
@@ -16,9 +17,8 @@ import numpy as np
 import pytest
 from test_study_engine import assert_same_scans
 
-import apa_emu
 from apa_emu import Config, reference_rows
-from apa_emu.study import check, engine, fp64, scan
+from apa_emu.study import engine, fp64, scan
 from apa_emu.study.cli import main
 from apa_emu.study.dump import Dump, builtin_dump_path, read_dump, write_dump
 from apa_emu.study.synth import synthetic_preset
@@ -143,28 +143,19 @@ def test_dump_too_large_for_the_device_is_refused(monkeypatch):
         scan.run_pairs(huge, Config(), scan.Pairs.select(4, 1), backend=engine.GpuEngine())
 
 
-def test_apa_check_passes_and_names_planted_divergences(capsys, monkeypatch, tmp_path):
+def test_apa_check_passes_and_names_a_planted_kernel_bug(capsys, monkeypatch, tmp_path):
+    """`apa check` passes on the kernel as it is, and on a kernel built by nvcc from cuda/ with one
+    rounding changed (mutant K6: the P-scale exponent fused, as the seed's fmaf) exits 1 naming pass 1."""
+    from planted import apa_check, planted_sources
+
     monkeypatch.setenv("APA_GPU_REPRO_DIR", str(tmp_path))
     assert main(["check", "--warps", "0:4", "--workers", str(WORKERS)]) == 0
     assert "bitwise" in capsys.readouterr().out
     assert main(["check", "--hypothesis", "8", "--seed", "3"]) == 0
     assert "on 8 generated problems" in capsys.readouterr().out
-    # The emulator with τ = 0 against the kernel with τ = 4: pass 1's frames differ first.
-    monkeypatch.setattr(check, "attention", lambda q, k, v, off, cfg, **kw: apa_emu.attention(
-        q, k, v, off, cfg.replace(tau=0), **kw))
-    assert main(["check", "--warps", "3"]) == 1
-    lines = capsys.readouterr().out.splitlines()
-    assert "stage pass 1 (visit records" in lines[0] and "where='visits'" in lines[1]
-    assert "tile=" in lines[1] and os.path.exists(lines[2].split()[-1])
-    monkeypatch.setattr(check, "attention", apa_emu.attention)
-    kernel = apa_gpu.attention
-
-    def one_ulp_off(q, k, v, q_offset, cfg, *, trace=None):
-        res = kernel(q, k, v, q_offset, cfg, trace=trace)
-        res.rows["o2"][0, 5] = np.nextafter(res.rows["o2"][0, 5], np.float32(np.inf))
-        return res
-
-    monkeypatch.setattr(apa_gpu, "attention", one_ulp_off)
-    assert main(["check", "--warps", "0"]) == 1
-    lines = capsys.readouterr().out.splitlines()
-    assert "stage pass 2 (FP16 output accumulation P·V)" in lines[0] and "field='o2'" in lines[1]
+    r = apa_check(["--warps", "3", "--schedule", "fused"], backend="cuda", cache=tmp_path / "cache",
+                  repro=tmp_path / "repro", sources=planted_sources(tmp_path, "K6"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert "(KV head 0, fused schedule), stage pass 1 (visit records" in lines[0], r.stdout
+    assert "where='visits'" in lines[1] and "tile=" in lines[1] and os.path.exists(lines[2].split()[-1])

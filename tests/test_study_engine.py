@@ -103,7 +103,7 @@ def numpy_gpu(monkeypatch):
     """The GPU engine's code on the CPU: NumPy as CuPy, the emulator (every warp) as the kernel."""
     fake = numpy_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(apa_gpu, "attention", lambda q, k, v, q_offset, cfg, *, trace=None:
+    monkeypatch.setattr(apa_gpu, "attention", lambda q, k, v, q_offset, cfg, *, trace=None, schedule=None:
                         apa_emu.attention(q, k, v, q_offset, cfg, trace=trace))
     monkeypatch.setattr(engine, "gpu_missing", lambda: None)
     monkeypatch.setattr(check, "gpu_missing", lambda: None)
@@ -334,7 +334,7 @@ def test_dump_too_large_for_the_device_is_refused_up_front(numpy_gpu, monkeypatc
 
 def _planted(field: str):
     """The emulator as the kernel, with one bit of one value flipped."""
-    def attention(q, k, v, q_offset, cfg, *, trace=None):
+    def attention(q, k, v, q_offset, cfg, *, trace=None, schedule=None):
         res = apa_emu.attention(q, k, v, q_offset, cfg, trace=trace)
         target = res.out if field == "out" else res.rows[field]
         first, bits = (0,) * target.ndim, np.uint16 if target.dtype == np.float16 else np.uint32
@@ -343,7 +343,7 @@ def _planted(field: str):
     return attention
 
 
-@pytest.mark.parametrize("field, stage", [("l2", "pass 2 (FP16 scores q·k)"), ("part", "pass 1 (FP4 estimate"),
+@pytest.mark.parametrize("field, stage", [("l2", "pass 2 (FP16 scores q·k, row max and sum)"), ("part", "pass 1 (FP4 estimate"),
                                           ("out", "the merge (FP16 output)")])
 def test_check_finds_a_planted_divergence(capsys, numpy_gpu, monkeypatch, dumps, tmp_path, field, stage):
     monkeypatch.setenv("APA_GPU_REPRO_DIR", str(tmp_path))
@@ -354,7 +354,8 @@ def test_check_finds_a_planted_divergence(capsys, numpy_gpu, monkeypatch, dumps,
     monkeypatch.setattr(apa_gpu, "attention", _planted(field))
     assert main(["check", a, "--warps", "0,1"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("apa check: the kernel differs from the emulator in a.apadump (KV head 0), stage "
+    assert lines[0].startswith("apa check: the kernel differs from the emulator in a.apadump (KV head 0, separate "
+                               "schedule), stage "
                                + stage)
     assert f"field='{field}'" in lines[1] or (field == "out" and "where='out'" in lines[1])
     repro = lines[2].split()[-1]
@@ -368,7 +369,8 @@ def test_check_generated_problems(capsys, numpy_gpu, monkeypatch, tmp_path):
     pytest.importorskip("hypothesis")
     monkeypatch.setenv("APA_GPU_REPRO_DIR", str(tmp_path))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 0
-    assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7)\n")
+    assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7), separate and fused "
+                                            "schedules\n")
     monkeypatch.setattr(apa_gpu, "attention", _planted("out"))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 1
     lines = capsys.readouterr().out.splitlines()

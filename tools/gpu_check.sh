@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check for the H200 (run from the repo root):
 #
-#   bash tools/gpu_check.sh            # full: build, primitives, MMA probes, kernel vs emulator, real data
+#   bash tools/gpu_check.sh            # full: build, apa check, primitives, MMA probes, kernel vs emulator, real data
 #   QUICK=1 bash tools/gpu_check.sh    # smaller: fewer examples and MMA tiles, no 32k-key problem
 #   GPU_TESTS=tests/test_gpu_mma.py PYTEST_K=probe bash tools/gpu_check.sh   # a subset
 #   APA_GPU_BACKEND=sim QUICK=1 bash tools/gpu_check.sh   # the same on the CPU simulator, without a GPU
@@ -55,35 +55,30 @@ stamp "build (ptxas report in $OUTDIR/build.txt)"
 "$PY" -m apa_gpu.build --report -j "$(nproc)" > "$OUTDIR/build.txt" 2>&1 || { cat "$OUTDIR/build.txt"; echo "BUILD FAILED"; exit 1; }
 grep -E "cubin|apa_pass" "$OUTDIR/build.txt" | sed 's#.*/##' | head -60
 
-stamp "smoke: one small problem, kernel vs emulator"
-"$PY" - <<'EOF' 2>&1 | tee "$OUTDIR/smoke.txt"
-import numpy as np, apa_emu, apa_gpu
-from apa_gpu.compare import first_divergence, describe, save_reproducer
-from apa_emu.config import Config
-rng = np.random.default_rng(0)
-for d in (64, 128):
-    q = rng.standard_normal((2, 40, 6, d)).astype(np.float16)
-    k = rng.standard_normal((2, 200, 2, d)).astype(np.float16)
-    v = rng.standard_normal((2, 200, 2, d)).astype(np.float16)
-    for cfg in (Config(), Config(eps=-1.0), Config(eps=0.2, p2_accum="f32", tile_order="ascending"),
-                Config(eps=1e9)):
-        e = apa_emu.attention(q, k, v, 160, cfg, trace="all")
-        for schedule in ("separate", "fused"):
-            g = apa_gpu.attention(q, k, v, 160, cfg, trace="all", schedule=schedule)
-            div = first_divergence(e, g)
-            tag = f"smoke d={d} eps={cfg.eps} p2={cfg.p2_accum} {schedule}"
-            if div is None:
-                print(f"{tag}: bitwise equal ({g.hot_tiles}/{g.active_tiles} hot)")
-            else:
-                p = save_reproducer(q, k, v, 160, cfg)
-                print(f"{tag}: MISMATCH {describe(div)}\n  python -m apa_gpu.replay {p}")
-EOF
+stamp "apa check: the built-in dump and generated problems, kernel vs emulator, both schedules"
+# The same command anyone who edits cuda/ runs (apa_emu/study/check.py); a divergence prints its
+# stage, warp, tile and field and leaves a reproducer in $APA_GPU_REPRO_DIR.
+CHECK_N=$([ "$QUICK" = 1 ] && echo 8 || echo 24)
+CHECK_DUMP=() CHECK_WARPS=0:16  # the built-in SmolLM2 dump; the simulator runs every warp of a dump: a small one
+if [ "$APA_GPU_BACKEND" = sim ]; then
+  CHECK_DUMP=("$OUTDIR/check_small.apadump") CHECK_WARPS=0:3
+  "$PY" -m apa_emu.study.cli synth "${CHECK_DUMP[0]}" --n 48 --kv 320 --heads 6 --kv-heads 2 --d 64 >/dev/null
+fi
+{
+  "$PY" -m apa_emu.study.cli check "${CHECK_DUMP[@]}" --warps "$CHECK_WARPS" --workers "$(nproc)"
+  c1=$?
+  "$PY" -m apa_emu.study.cli check --hypothesis "$CHECK_N" --seed 0
+  c2=$?
+  [ "$c1" = 0 ] && [ "$c2" = 0 ]
+} 2>&1 | tee "$OUTDIR/check.txt"
+check_rc=${PIPESTATUS[0]}
 
 stamp "pytest -m gpu (examples/property=$APA_GPU_EXAMPLES, MMA tiles=$APA_GPU_MMA_TILES)"
 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUTDIR/gpu_tests.xml" -rfE \
   ${KSEL:+-k "$KSEL"} $GPU_TESTS \
   2>&1 | tee "$OUTDIR/pytest.txt" | tail -60
 rc=${PIPESTATUS[0]}
+[ "$check_rc" = 0 ] || rc=1
 
 stamp "summary"
 "$PY" - "$OUTDIR" <<'EOF'

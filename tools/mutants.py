@@ -10,7 +10,7 @@ run, also on Ctrl-C or SIGTERM. It edits the checkout it lives in: run it in a w
 (`git worktree add /tmp/mut HEAD`) when you keep working beside it. Emulator edits need no cache clearing: the Numba cache is keyed on the sources
 (apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
 The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
-K1–K5 in the kernel. (M14 is equivalent inside `attention`, which packs one KV head at a time; a
+K1–K6 in the kernel. (M14 is equivalent inside `attention`, which packs one KV head at a time; a
 direct test of the packing kills it.)
 """
 
@@ -90,6 +90,8 @@ MUTANTS = [
            "st.l4_lo = fadd(st.l4_lo, fadd(p0, p1));", "st.l4_lo = fadd(fadd(st.l4_lo, p0), p1);", SIM),
     Mutant("K5", "kernel merge: cold part not rescaled (w1 = 1)", "cuda/merge.cuh",
            "(l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f", "(l1 > 0.0f) ? 1.0f : 0.0f", SIM),
+    Mutant("K6", "kernel P-scale exponent fused (the seed's fmaf)", "cuda/pass1.cuh",
+           "float u = fadd(fmul(gm, cq), fsub(a.A, c));", "float u = __fmaf_rn(gm, cq, fsub(a.A, c));", SIM),
 ]
 
 

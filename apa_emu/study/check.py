@@ -1,5 +1,9 @@
 """``apa check``: the kernel against the emulator, bitwise, for anyone who edits ``cuda/``.
 
+Each comparison runs the kernel under every chosen launch schedule (``separate``: pass 1, pass 2 and
+the merge as three launches; ``fused``: one persistent launch), since each is its own code path.
+It runs on the device, or on the kernel simulator under ``APA_GPU_BACKEND=sim`` (cuda/sim).
+
 On a dump, one KV head at a time (a head is a whole problem of its own, numerics.md §5): the chosen
 warps of the emulator against the kernel's, output, hot masks and every trace field. Or on problems
 and configs that Hypothesis generates (``apa_gpu.strategies``). The first divergence is named by
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from apa_gpu.plan import SCHEDULES
 
 from ..api import attention
 from ..config import Config
@@ -49,13 +54,23 @@ class Divergence:
                 f"  {self.detail}", f"  reproducer: python -m apa_gpu.replay {self.reproducer}"]
 
 
+def kernel_missing() -> str | None:
+    """What running the kernel lacks here (None: nothing): the GPU engine's needs, or g++ for the simulator."""
+    import apa_gpu
+    from apa_gpu.build import backend_name
+
+    if backend_name() == "sim":
+        return None if apa_gpu.available() else "the kernel simulator (APA_GPU_BACKEND=sim) needs g++ on PATH or $CXX"
+    return gpu_missing()
+
+
 def require_gpu(cfg: Config, dims) -> None:
-    why = gpu_missing() or next((r for d in sorted(set(dims)) if (r := kernel_lacks(cfg, d))), None)
+    why = kernel_missing() or next((r for d in sorted(set(dims)) if (r := kernel_lacks(cfg, d))), None)
     if why:
         raise BackendError(f"apa check runs the kernel: {why}")
 
 
-def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, place=None) -> Divergence | None:
+def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, schedule, place=None) -> Divergence | None:
     from apa_gpu.compare import describe, first_divergence, save_reproducer
 
     div = first_divergence(emu, gpu)
@@ -68,13 +83,15 @@ def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, place=None) -
             {k: div[k] for k in keys[at:]}
     if place:
         div = place(div)
-    path = save_reproducer(q, k, v, q_offset, cfg, trace, note=where)
+    path = save_reproducer(q, k, v, q_offset, cfg, trace, note=where, schedule=schedule)
     return Divergence(where, stage_of(div), describe(div), path)
 
 
-def check_dump(dump, name: str, cfg: Config, warps=None, *, workers=1, progress=None) -> tuple[Divergence | None, int]:
-    """Kernel against emulator on ``warps`` (indices within each KV head; None: all) of every KV
-    head; returns the first divergence (None) and the number of warps compared."""
+def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=SCHEDULES, workers=1,
+               progress=None) -> tuple[Divergence | None, int]:
+    """Kernel (under each of ``schedules``) against emulator on ``warps`` (indices within each KV
+    head; None: all) of every KV head; returns the first divergence (None) and the number of warps
+    compared."""
     import apa_gpu
 
     G, R = dump.group, dump.n * dump.group
@@ -90,14 +107,15 @@ def check_dump(dump, name: str, cfg: Config, warps=None, *, workers=1, progress=
         q, k, v = (np.ascontiguousarray(x) for x in (dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk:hk + 1],
                                                       dump.v[:, hk:hk + 1]))
         emu = attention(q, k, v, dump.q_offset, cfg, warps=trace, trace=trace, workers=workers, progress=progress)
-        gpu = apa_gpu.attention(q, k, v, dump.q_offset, cfg, trace=trace)
-        # The emulator ran the chosen warps only: elsewhere its output and masks are the kernel's.
-        emu.out[packed[others] // G, packed[others] % G] = gpu.out[packed[others] // G, packed[others] % G]
-        emu.hot[:, :, rest] = gpu.hot[:, :, rest]
-        found = _diverged(emu, gpu, f"{name} (KV head {hk})", q, k, v, dump.q_offset, cfg, trace,
-                          place=lambda div, hk=hk: _in_dump(div, hk, G))
-        if found:
-            return found, hk * chosen.size
+        for schedule in schedules:
+            gpu = apa_gpu.attention(q, k, v, dump.q_offset, cfg, trace=trace, schedule=schedule)
+            # The emulator ran the chosen warps only: elsewhere its output and masks are the kernel's.
+            emu.out[packed[others] // G, packed[others] % G] = gpu.out[packed[others] // G, packed[others] % G]
+            emu.hot[:, :, rest] = gpu.hot[:, :, rest]
+            found = _diverged(emu, gpu, f"{name} (KV head {hk}, {schedule} schedule)", q, k, v, dump.q_offset,
+                              cfg, trace, schedule, place=lambda div, hk=hk: _in_dump(div, hk, G))
+            if found:
+                return found, hk * chosen.size
     return None, dump.nkv * chosen.size
 
 
@@ -119,8 +137,9 @@ class _Found(Exception):
     pass
 
 
-def check_generated(n: int, seed: int, progress=None) -> tuple[Divergence | None, int]:
-    """Kernel against emulator on ``n`` problems and configs drawn by Hypothesis from ``seed``."""
+def check_generated(n: int, seed: int, progress=None, schedules=SCHEDULES) -> tuple[Divergence | None, int]:
+    """Kernel (under each of ``schedules``) against emulator on ``n`` problems and configs drawn by
+    Hypothesis from ``seed``."""
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import seed as seeded
@@ -145,15 +164,17 @@ def check_generated(n: int, seed: int, progress=None) -> tuple[Divergence | None
         shape, q_offset = problem
         q, k, v = make_inputs(**shape)
         emu = attention(q, k, v, q_offset, cfg, trace="all")
-        gpu = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all")
         done[0] += 1
+        for schedule in schedules:
+            gpu = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule=schedule)
+            where = (f"generated problem {done[0]} (q {q.shape}, k {k.shape}, q_offset {q_offset}, {cfg}, "
+                     f"{schedule} schedule)")
+            div = _diverged(emu, gpu, where, q, k, v, q_offset, cfg, "all", schedule)
+            if div:
+                found.append(div)
+                raise _Found
         if progress:
             progress(done[0], n)
-        where = f"generated problem {done[0]} (q {q.shape}, k {k.shape}, q_offset {q_offset}, {cfg})"
-        div = _diverged(emu, gpu, where, q, k, v, q_offset, cfg, "all")
-        if div:
-            found.append(div)
-            raise _Found
 
     try:
         example()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import CHOICES, Config
-from .check import check_dump, check_generated, require_gpu
+from .check import SCHEDULES, check_dump, check_generated, require_gpu
 from .dump import HEAD_DIMS, builtin_dump_path, read_dump
 from .engine import BACKENDS, select_engine
 from .plots import plot_heatmap, plot_pair, plot_sweep
@@ -360,6 +360,10 @@ def cmd_headroom(args):
          [table(title, ["metric", "value"], rows)])
 
 
+def _schedules(args) -> tuple[str, ...]:
+    return SCHEDULES if args.schedule == "both" else (args.schedule,)
+
+
 def cmd_check(args):
     cfg = _config(args)
     if args.hypothesis:
@@ -368,7 +372,7 @@ def cmd_check(args):
         require_gpu(Config(), ())
         seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         with _progress(True, "check, generated problems", WAITS["gpu"]) as prog:
-            div, done = check_generated(args.hypothesis, seed, prog)
+            div, done = check_generated(args.hypothesis, seed, prog, schedules=_schedules(args))
         summary = f"{done} generated problems and configs (--seed {seed})"
     else:
         paths = _dump_paths(args)
@@ -378,11 +382,13 @@ def cmd_check(args):
         div, done = None, 0
         with _progress(True, "check", WAITS["cpu"]) as prog:
             for path, dump in zip(paths, dumps):
-                div, count = check_dump(dump, path.name, cfg, warps, workers=args.workers, progress=prog)
+                div, count = check_dump(dump, path.name, cfg, warps, schedules=_schedules(args), workers=args.workers,
+                                        progress=prog)
                 done += count
                 if div:
                     break
         summary = f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {cfg_name(cfg)}"
+    summary += f", {' and '.join(_schedules(args))} schedule{'s' * (args.schedule == 'both')}"
     if div:
         for line in div.lines():
             say(line)
@@ -593,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hypothesis", type=_count, metavar="N",
                    help="check N problems and configs drawn by Hypothesis (apa_gpu/strategies.py) instead of dumps")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
+    p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both",
+                   help="kernel launch schedule: three launches (separate), one persistent launch (fused), or both")
     p.add_argument("--workers", type=_count, default=1, metavar="N", help="emulator processes over the warps")
     p.set_defaults(func=cmd_check)
 

@@ -414,7 +414,7 @@ class AttributeTable:
 # frame m = −inf is no overflow: it means the stage saw no tile.
 _STAGES = (
     ("pass 1 (FP4 estimate of the cold tiles)", ("m1", "l1", "part")),
-    ("pass 2 (FP16 scores q·k)", ("m2", "l2")),
+    ("pass 2 (FP16 scores q·k, row max and sum)", ("m2", "l2")),
     ("pass 2 (FP16 output accumulation P·V)", ("o2",)),
     ("the merge (FP16 output)", ("out",)),
 )
