@@ -24,8 +24,8 @@ if [ -e "$out" ] && [ -n "$(ls -A "$out")" ]; then
   exit 2
 fi
 mkdir -p "$out"
-APA="${APA:-apa}"
-run() { local name=$1; shift; echo "\$ apa $*" | tee "$out/$name.txt"; "$APA" "$@" | tee -a "$out/$name.txt"; }
+APA="${APA:-apa}"  # e.g. APA="python3 -m apa_emu.study.cli" where the package is not installed
+run() { local name=$1; shift; echo "\$ apa $*" | tee "$out/$name.txt"; $APA "$@" | tee -a "$out/$name.txt"; }
 for study in ${STUDIES:-scan worst attribute headroom}; do
   case $study in
     scan) run scan scan "${dumps[@]}" --eps 0.005 "$@" ;;
