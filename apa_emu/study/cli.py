@@ -630,10 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keys per dump: the text's first N tokens (at most 8192, the model's context)")
     p.set_defaults(func=cmd_smollm2)
 
-    p = sub.add_parser("gemma3", help="run Gemma 3 270M on a text and write dumps of chosen layers (extra: models; torch)",
+    p = sub.add_parser("gemma3", help="run Gemma 3 270M on a text and write dumps of chosen layers (extra: gemma3)",
                        formatter_class=_Help,
                        description="run Gemma 3 270M (PyTorch float32, on CUDA when available) over a text and write "
-                                   "one dump per layer; 32768 tokens take about 5 minutes on 2 CPU cores")
+                                   "one dump per layer; 32768 tokens take about 10 CPU-minutes")
     p.add_argument("out_dir", help="folder for the dumps (created if missing)")
     p.add_argument("--text", help="a UTF-8 text file (default: the bundled sample, all of Alice in Wonderland)")
     p.add_argument("--layers", type=int, nargs="+",
