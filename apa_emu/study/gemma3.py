@@ -309,7 +309,7 @@ class Gemma3:
 
 @functools.lru_cache(maxsize=1)
 def load_gemma3() -> Gemma3:
-    """The Gemma 3 270M model, loaded once per process (about 25 s and 1.3 GB on the CPU; the first
+    """The Gemma 3 270M model, loaded once per process (about 30 s and 1.7 GB on the CPU; the first
     call also reassembles the GGUF)."""
     return Gemma3()
 
@@ -458,7 +458,7 @@ def _progress_bar(label: str):
         return nullcontext()
     from .report import progress_bar
 
-    return progress_bar(True, label, "loading the model, about 25 s")
+    return progress_bar(True, label, "loading the model, about 30 s")
 
 
 def main(argv=None) -> int:
