@@ -73,7 +73,8 @@ def test_attention_without_window_is_smollm2s(one_thread):
     from apa_emu.study.smollm2 import causal_attention
 
     rng = np.random.default_rng(1)
-    q, k, v = (rng.standard_normal((rows, heads, 256), dtype=np.float32) for rows, heads in ((300, 4), (700, 1), (700, 1)))
+    q, k, v = (rng.standard_normal((rows, heads, 256), dtype=np.float32)
+               for rows, heads in ((300, 4), (700, 1), (700, 1)))
     ours = gemma3.attention(*(one_thread.from_numpy(x) for x in (q, k, v)), q_offset=400).numpy()
     np.testing.assert_allclose(ours, causal_attention(q, k, v, 400), atol=2e-5)
 

@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gemma3", help="run Gemma 3 270M on a text and write dumps of chosen layers (extra: gemma3)",
                        formatter_class=_Help,
                        description="run Gemma 3 270M (PyTorch float32, on CUDA when available) over a text and write "
-                                   "one dump per layer; 32768 tokens take about 8 CPU-minutes (4.5 minutes on 2 idle cores)")
+                                   "one dump per layer; 32768 tokens take about 8 CPU-minutes (4.5 min on 2 idle cores)")
     p.add_argument("out_dir", help="folder for the dumps (created if missing)")
     p.add_argument("--text", help="a UTF-8 text file (default: the bundled sample, all of Alice in Wonderland)")
     p.add_argument("--layers", type=int, nargs="+",

