@@ -292,7 +292,7 @@ def test_help_lists_config_keys_and_columns():
     from apa_emu.study.scan import ATTRIBUTE_VARIANTS, PairDiagnostics
 
     for name, parser in _subparsers().items():
-        if name in ("synth", "smollm2"):
+        if name in ("synth", "smollm2", "gemma3"):
             continue
         text = parser.format_help()
         for field in dataclasses.fields(Config):

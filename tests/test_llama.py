@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from apa_emu.study.dump import read_dump
-from apa_emu.study.smollm2 import _rope, _rope_tables, _unpermute_rope_rows, causal_attention
+from apa_emu.study.lm import rope_tables
+from apa_emu.study.smollm2 import _rope, _unpermute_rope_rows, causal_attention
 
 TEXT = (
     "The river rose through the night, and by morning the lower fields were under water. "
@@ -65,7 +66,7 @@ def test_unpermuted_rotate_half_rope_equals_llama_cpp_interleaved_rope():
     interleaved = np.empty_like(y)
     interleaved[..., 0::2] = even * np.cos(angle) - odd * np.sin(angle)
     interleaved[..., 1::2] = even * np.sin(angle) + odd * np.cos(angle)
-    cos, sin = _rope_tables(T, hd, base)
+    cos, sin = rope_tables(T, hd, base)
     ours = _rope((x @ _unpermute_rope_rows(w_gguf, n_head).T).reshape(T, n_head, hd), cos, sin)
     order = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
     np.testing.assert_allclose(ours, interleaved[..., order], atol=1e-5)

