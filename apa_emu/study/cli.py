@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import signal
 import sys
@@ -405,24 +406,20 @@ def cmd_synth(args):
     say(str(write_dump(args.out, d.q, d.k, d.v, d.q_offset)))
 
 
-def cmd_smollm2(args):
-    from .smollm2 import make_dumps
+def _model_dumps(module: str, label: str, wait: str):
+    """The command that runs a real model (apa_emu.study.``module``) over a text and writes its dumps."""
+    def command(args):
+        make_dumps = importlib.import_module(f".{module}", __package__).make_dumps
+        with _progress(True, label, wait) as prog:
+            paths = make_dumps(Path(args.text) if args.text else None, args.layers, args.n, args.out_dir,
+                               args.max_tokens, progress=prog)
+        for p in paths:
+            say(str(p))
+    return command
 
-    with _progress(True, "SmolLM2 layers", "loading the model, about 5 s") as prog:
-        paths = make_dumps(Path(args.text) if args.text else None, args.layers, args.n, args.out_dir,
-                           args.max_tokens, progress=prog)
-    for p in paths:
-        say(str(p))
 
-
-def cmd_gemma3(args):
-    from .gemma3 import make_dumps
-
-    with _progress(True, "Gemma 3 layers", "loading the model, about 30 s") as prog:
-        paths = make_dumps(Path(args.text) if args.text else None, args.layers, args.n, args.out_dir,
-                           args.max_tokens, progress=prog)
-    for p in paths:
-        say(str(p))
+cmd_smollm2 = _model_dumps("smollm2", "SmolLM2 layers", "loading the model, about 5 s")
+cmd_gemma3 = _model_dumps("gemma3", "Gemma 3 layers", "loading the model, about 30 s")
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
