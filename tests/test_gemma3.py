@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
+from test_llama import perplexity
 
 from apa_emu.study import gemma3
 from apa_emu.study.cli import main as apa
@@ -291,11 +292,7 @@ def test_matches_transformers_gguf_loader(model):
     assert np.abs(ours - ref).max() < 5e-3
     assert (ours.argmax(axis=1) == ref.argmax(axis=1)).all()
 
-    def ppl(z):
-        lse = z.max(axis=1) + np.log(np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1))
-        return math.exp((lse[:-1] - z[np.arange(ids.size - 1), ids[1:]]).mean())
-
-    assert ppl(ours) == pytest.approx(ppl(ref), rel=1e-5)
+    assert perplexity(ours, ids) == pytest.approx(perplexity(ref, ids), rel=1e-5)
     for layer, kind in ((0, "sliding_attention"), (5, "full_attention")):
         cos, sin = hf.model.rotary_emb(seen["q", layer], torch.arange(ids.size)[None], kind)
         hf_q, hf_k = apply_rotary_pos_emb(seen["q", layer], seen["k", layer], cos, sin)

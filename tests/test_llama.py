@@ -11,6 +11,15 @@ from apa_emu.study.dump import read_dump
 from apa_emu.study.lm import rope_tables
 from apa_emu.study.smollm2 import _rope, _unpermute_rope_rows, causal_attention
 
+
+def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Float64 perplexity of next-token logits [T, vocab] on the token ids [T]: the oracle both
+    forward-pass cross-checks (SmolLM2, Gemma 3) compare against transformers with."""
+    top = logits.max(axis=1)
+    lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    return math.exp((lse[:-1] - logits[np.arange(ids.size - 1), ids[1:]]).mean())
+
+
 TEXT = (
     "The river rose through the night, and by morning the lower fields were under water. "
     "The farmers moved their animals to the hill behind the church, where the ground stayed dry."
@@ -171,11 +180,7 @@ def test_matches_transformers_gguf_loader(model):
     assert np.abs(ours - ref).max() < 2e-3
     assert (ours.argmax(axis=1) == ref.argmax(axis=1)).all()
 
-    def ppl(z):
-        lse = z.max(axis=1) + np.log(np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1))
-        return math.exp((lse[:-1] - z[np.arange(ids.size - 1), ids[1:]]).mean())
-
-    assert ppl(ours) == pytest.approx(ppl(ref), rel=1e-4)
+    assert perplexity(ours, ids) == pytest.approx(perplexity(ref, ids), rel=1e-4)
     q, k, _ = captured[layer]
     np.testing.assert_allclose(q, hf_q[0].transpose(0, 1).numpy(), atol=2e-3)
     np.testing.assert_allclose(k, hf_k[0].transpose(0, 1).numpy(), atol=2e-3)
