@@ -12,7 +12,7 @@ import numpy as np
 from . import trace as tr
 from .config import Config
 from .geometry import HEAD_DIMS, ROWS, Shape, WarpRows, visit_order
-from .merge import merge
+from .merge import certificate, merge
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, prep_bytes, prepare, slot_keys, unpack_rows
@@ -23,9 +23,12 @@ MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh G
 
 @dataclass
 class Result:
-    """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10)."""
+    """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
+    ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
+    each (row, head) (§9.7); rows not computed hold NaN in both."""
 
     out: np.ndarray
+    err_bound: np.ndarray
     hot: np.ndarray
     active_tiles: int
     hot_tiles: int
@@ -132,6 +135,7 @@ class WarpResult:
 
     w: int
     out: np.ndarray  # [16, d] f16
+    err_bound: np.ndarray  # [16] f32 (§9.7)
     active: int  # T_w + 1 (§6.3)
     nhot: int
     p1: P1Out
@@ -156,6 +160,7 @@ class _Runner:
         self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
                            slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf))
         self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul)
+        self.cert = cfg.cert_consts(prep.d)
 
     def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
         """The warp's rows of a per-row prep array, ``pad`` in padding rows (numerics.md §6.2)."""
@@ -205,7 +210,7 @@ class _Runner:
         nvalid = int(wr.valid.sum())
         rec = np.zeros(nvalid, tr.row_dtype(self.prep.d))
         rec["b"], rec["hk"], rec["row"] = self.b, self.hk, wr.w * ROWS + np.arange(nvalid)
-        state = {**res.p1._asdict(), **res.p2._asdict(), "out": res.out}
+        state = {**res.p1._asdict(), **res.p2._asdict(), "out": res.out, "err_bound": res.err_bound}
         for name in tr.ROW_FIELDS:
             rec[name] = state[name][:nvalid]
         return rec
@@ -217,7 +222,10 @@ class _Runner:
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
         out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft)
-        res = WarpResult(w, out, wr.last_tile + 1, len(tiles), p1, p2)
+        p = self.prep
+        bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
+                            self._rows(p.qstat, wr, 0), p.kvstat[0], p.qmul, self.cert, self.soft)
+        res = WarpResult(w, out, np.where(wr.valid, bound, F32(0)).astype(F32), wr.last_tile + 1, len(tiles), p1, p2)
         if traced:
             res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
         return res
@@ -300,15 +308,19 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
                     progress(len(results), total)
 
     rows_out = np.full((B, shape.Hkv, shape.Rp, d), np.nan, np.float16)
+    rows_bound = np.full((B, shape.Hkv, shape.Rp, 1), np.nan, F32)
     hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
     for b, hk, res in results:
         rows_out[b, hk, res.w * ROWS:(res.w + 1) * ROWS] = res.out
+        rows_bound[b, hk, res.w * ROWS:(res.w + 1) * ROWS, 0] = res.err_bound
         hot[b, hk, res.w] = res.p1.hot_words
     out = np.stack([unpack_rows(rows_out[b, :, :shape.R], n, G) for b in range(B)])
+    bound = np.stack([unpack_rows(rows_bound[b, :, :shape.R], n, G)[..., 0] for b in range(B)])
     visits = [res.visits for _, _, res in results if res.visits is not None]
     row_recs = [res.rows for _, _, res in results if res.rows is not None]
     return Result(
         out=out[0] if squeeze else out,
+        err_bound=bound[0] if squeeze else bound,
         hot=hot,
         active_tiles=sum(res.active for _, _, res in results),
         hot_tiles=sum(res.nhot for _, _, res in results),

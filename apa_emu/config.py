@@ -108,6 +108,11 @@ class Config:
         """§7.4–7.10 constants (binary32), shared by the emulator and the kernel's parameters."""
         return constants.pass1_consts(self.eps, self.delta, self.tau)
 
+    def cert_consts(self, d: int) -> constants.CertConsts:
+        """§9.7 constants (binary32), shared by the emulator and the kernel's parameters."""
+        p2_out = "exact" if self.mma == "exact" else self.p2_accum
+        return constants.cert_consts(d, p2_out, self.exp2 == "fast", self.delta)
+
     @classmethod
     def from_overrides(cls, items: list[str], base: "Config | None" = None) -> "Config":
         """Build a config from ``key=value`` strings (the CLI's ``--config`` toggles)."""

@@ -38,3 +38,23 @@ def pass1_consts(eps: float, delta: float, tau: int) -> Pass1Consts:
 def qmul(scale: np.float32) -> np.float32:
     """§5.3: the score multiplier f32(scale ⊗ LOG2E)."""
     return F32(F32(scale) * LOG2E)
+
+
+class CertConsts(NamedTuple):
+    """§9.7 constants of one config and head dim, as binary32 (the kernel's Pass2Args carries the same)."""
+
+    sd: np.float32  # ≥ √d: 8, 12, 16
+    cs: np.float32  # (d/16)·(2⁻¹¹ + 2⁻²⁰): pass 2's FP16 score chain
+    c2: np.float32  # pass 2's output arithmetic per hot tile, times log₂e: 2⁻⁷ (FP16 O), 2⁻⁹ (binary32), 2⁻¹⁶ (exact)
+    fast: np.float32  # 2⁻⁶ in the fast exp2 mode, else 0
+    delta: np.float32  # §7.8 δ
+
+
+SQRT_D_UP = {64: 8, 128: 12, 256: 16}
+
+
+def cert_consts(d: int, p2_out: str, fast: bool, delta: float) -> CertConsts:
+    """§9.7: p2_out is the pass-2 output format, "f16", "f32" or "exact"."""
+    c2 = {"f16": 2.0**-7, "f32": 2.0**-9, "exact": 2.0**-16}[p2_out]
+    return CertConsts(F32(SQRT_D_UP[d]), F32(d // 16 * (2.0**-11 + 2.0**-20)), F32(c2),
+                      F32(2.0**-6 if fast else 0.0), F32(delta))

@@ -1,25 +1,85 @@
-"""Log-sum-exp merge of the pass-1 partial and the pass-2 state (numerics.md §9)."""
+"""Log-sum-exp merge of the pass-1 partial and the pass-2 state, and the output-error certificate
+(numerics.md §9).
+
+Every step is an elementwise binary32 operation on arrays of rows, so the vectorised form rounds
+exactly as the per-row statements of the spec.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from . import fpmath
+from .constants import CertConsts
 
 F32 = np.float32
+P16, P17, P20, P25 = F32(2.0**-16), F32(2.0**-17), F32(2.0**-20), F32(2.0**-25)
+K_E, G, ONE, SIXTEEN = F32(1 + 2.0**-20), F32(2.0**-12), F32(1), F32(16)
+DEN_LO, DEN_HI, FIN, K_B = F32(1 - 2.0**-16), F32(1 + 2.0**-16), F32(2.0**-11 + 2.0**-20), F32(1 + 2.0**-12)
+V_FLOOR, FLUSHED, F16_MAX = F32(2.0**-14), F32(2.0**-100), F32(65504)
 
 
-def merge(m1, l1, part, m2, l2, o2, soft: bool) -> np.ndarray:
-    """§9 (every warp, §9.5) for arrays of rows: m/l [R], part/o2 [R, d] (binary32). Returns the FP16 output [R, d].
-
-    Every step is an elementwise binary32 operation, so the vectorised form rounds exactly as the
-    per-row statements of the spec.
-    """
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # padding rows: 0/0
+def merge_weights(m1, l1, m2, l2, soft: bool):
+    """§9.1–9.3 for arrays of rows: M, w1, w2 and the denominator (w1 ⊗ l1) ⊕ (w2 ⊗ l2)."""
+    with np.errstate(invalid="ignore", over="ignore"):
         big = np.maximum(m1, m2)  # §9.1
         # exp2 of (−inf) − M is 0 either way; the l > 0 guards also cover m = −inf with M = −inf
         w1 = np.where(l1 > 0, fpmath.exp2_np(np.where(l1 > 0, m1 - big, F32(0)), soft), F32(0)).astype(F32)
         w2 = np.where(l2 > 0, fpmath.exp2_np(np.where(l2 > 0, m2 - big, F32(0)), soft), F32(0)).astype(F32)  # §9.2
-        inv = F32(1) / (w1 * l1 + w2 * l2)  # §9.3
+        return big, w1, w2, w1 * l1 + w2 * l2
+
+
+def merge(m1, l1, part, m2, l2, o2, soft: bool) -> np.ndarray:
+    """§9 (every warp, §9.5) for arrays of rows: m/l [R], part/o2 [R, d] (binary32). Returns the FP16 output [R, d]."""
+    _, w1, w2, den = merge_weights(m1, l1, m2, l2, soft)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # padding rows: 0/0
+        inv = F32(1) / den  # §9.3
         num = w1[:, None] * part + w2[:, None] * o2
         return (num * inv[:, None]).astype(np.float16)  # §9.4
+
+
+def _expm1_up(x, soft: bool):
+    """§9.7 X(x) = ((exp2(x) ⊗ K_E) ⊖ 1) ⊕ 2⁻²⁰, an upper bound of 2ˣ − 1."""
+    return (fpmath.exp2_np(x, soft) * K_E - ONE) + P20
+
+
+def score_bounds(cq, qstat, kvstat, qmul, nt, nh, k: CertConsts):
+    """§9.7 steps 3–4: Δ1 and Δ2 (log₂ units), bounds of a cold key's (pass 1) and a hot key's
+    (pass 2) score error, per row."""
+    qn, eq, q2n = (qstat[..., i] for i in range(3))
+    kn, ek, k2n = (F32(x) for x in kvstat[:3])
+    b1 = cq * ((qn + eq) * (kn + ek))
+    d1 = (cq * ((qn * ek) + (eq * (kn + ek))) + G * ((b1 + k.delta) + SIXTEEN)) + (nt * P20 + k.fast)
+    b2 = qmul * (q2n * k2n)
+    d2 = (b2 * k.cs + G * ((b2 + b2) + SIXTEEN)) + (nh * P20 + k.fast)
+    return d1, d2
+
+
+def certificate(m1, l1, ad1, m2, l2, out, lim, nh, cq, qstat, kvstat, qmul, k: CertConsts, soft: bool) -> np.ndarray:
+    """§9.7 for arrays of rows: the bound of ‖out − O‖₂. out [R, d] is the FP16 output, lim [R] the
+    key limits (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [5] =
+    (kn, ek, k2n, vn, ev) (§5.7)."""
+    X = lambda x: _expm1_up(x, soft)  # noqa: E731
+    q2n, k2n, vn, ev = qstat[:, 2], F32(kvstat[2]), F32(kvstat[3]), F32(kvstat[4])
+    lim = np.asarray(lim, np.int64)
+    nt, nv, nh = (lim // 64 + 1).astype(F32), (lim + 1).astype(F32), F32(nh)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        big, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
+        lc, lh = w1 * l1, w2 * l2  # step 1
+        wa = np.where(ad1 > 0, fpmath.exp2_np(np.where(ad1 > 0, m1 - big, F32(0)), soft), F32(0)).astype(F32)
+        ad = wa * ad1
+        a1, a2, b2 = X((nt + ONE) * P16), X(nh * k.c2), X((nh + ONE) * P16)  # step 2
+        lcu, lhu, e_d = lc * (ONE + a1), lh * (ONE + b2), a1 * lc + b2 * lh
+        d1, d2 = score_bounds(cq, qstat, kvstat, qmul, nt, nh, k)  # steps 3-4
+        g1, g2 = X(d1), X(d2)  # step 5
+        e = ((g1 * lcu + (g1 + ONE) * (lcu * F32(0.25) + (ad * F32(4)) * (ONE + a1))) + g2 * lhu) + nv * FLUSHED
+        et = e + e_d
+        e_n = a1 * (lc * (vn + ev)) + a2 * (lh * vn + w2 * (k.sd * V_FLOOR))  # step 6
+        on = ((lcu * (vn + ev) + lhu * vn) + e_n) / dn  # step 7
+        num = (et * (vn + on) + lcu * ev) + e_n  # step 8
+        den = dn * DEN_LO - et * DEN_HI
+        fin = on * FIN + k.sd * P25  # step 9
+        triv = (on + fin) + vn
+        bound = np.where(den > 0, np.minimum(num / den + fin, triv), triv) * K_B  # step 10
+        lost = ~np.isfinite(out).all(axis=1) | ((nh > 0) & (q2n * k2n >= F16_MAX))  # step 11
+        return np.where(lost, F32(np.inf), bound).astype(F32)

@@ -69,11 +69,13 @@ class P1Mode(NamedTuple):
 
 
 class P1State(NamedTuple):
-    """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold output o."""
+    """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold scale sum ad,
+    cold output o."""
 
     m: np.ndarray
     la: np.ndarray
     lc: np.ndarray
+    ad: np.ndarray
     o: np.ndarray
 
 
@@ -83,11 +85,12 @@ class P1Out(NamedTuple):
     part: np.ndarray  # [16, d] f32
     m1: np.ndarray  # [16] f32
     l1: np.ndarray  # [16] f32
+    ad1: np.ndarray  # [16] f32
     hot_words: np.ndarray  # [W] u32
 
     @classmethod
     def new(cls, d: int, ntiles: int) -> "P1Out":
-        return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32),
+        return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
                    np.zeros(-(-ntiles // 32), np.uint32))
 
 
@@ -141,16 +144,19 @@ def p1_frame(s, k0, rows, slots, tau, m, gm, c):
 
 @njit(cache=True)
 def p1_pscale(gm, cq, c, k, mode):
-    """§7.4: the UE4M3 code kb of one (row, group) and the bias of its P' exponents."""
-    u = gm * cq + (k.A - c)
-    u = min(max(u, np.float32(-6)), np.float32(8))
+    """§7.4: the UE4M3 code kb of one (row, group), the bias of its P' exponents, and §7.8's bound
+    a_g = min(dec(kb), 24 ⊗ exp2(u₀)) of what the group's keys weigh below the E2M1 grid."""
+    u0 = gm * cq + (k.A - c)
+    u = min(max(u0, np.float32(-6)), np.float32(8))
     fl = np.floor(u)
     if mode.pow2:
         cu = np.ceil(u)
-        return 8 * (int(cu) + 7), (k.L - c) - cu
-    e = exp2(u - fl, mode.soft)
-    mi = min(max(int(np.ceil((e - np.float32(1)) * np.float32(8))), 0), 8)
-    return 8 * (int(fl) + 7) + mi, (k.L - c) - (fl + LG2[mi])
+        kb, bias = 8 * (int(cu) + 7), (k.L - c) - cu
+    else:
+        e = exp2(u - fl, mode.soft)
+        mi = min(max(int(np.ceil((e - np.float32(1)) * np.float32(8))), 0), 8)
+        kb, bias = 8 * (int(fl) + 7) + mi, (k.L - c) - (fl + LG2[mi])
+    return kb, bias, min(ue4m3_value(np.uint8(kb)), np.float32(24) * exp2(u0, mode.soft))
 
 
 @njit(cache=True)
@@ -164,17 +170,18 @@ def p1_pprime(y, cq, bias, soft, quant_p):
 
 
 @njit(cache=True)
-def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales):
+def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
     """§7.4–7.5 for every valid row: P scales per group, then P̂ = e2m1(P')·dec(kb) (quantized) or
-    P' ⊗ dec(kb). Padding rows and invisible keys give 0."""
+    P' ⊗ dec(kb), and each group's a_g (§7.8). Padding rows and invisible keys give 0."""
     for r in range(ROWS):
         if not rows.valid[r]:
             phat[r, :] = 0
             pcodes[r, :] = 0
             pscales[r, :] = 0
+            amass[r, :] = 0
             continue
         for g in range(GROUPS):
-            kb, bias = p1_pscale(gm[r, g], rows.cq[r], c[r], k, mode)
+            kb, bias, amass[r, g] = p1_pscale(gm[r, g], rows.cq[r], c[r], k, mode)
             pscales[r, g] = kb
             scale = ue4m3_value(np.uint8(kb))
             for i in range(GROUP):
@@ -220,13 +227,15 @@ def p1_update(x, valid, st, soft):
                 st.o[r, ch] = st.o[r, ch] * alpha
             st.lc[r] = st.lc[r] * alpha
             st.la[r] = st.la[r] * alpha
+            st.ad[r] = st.ad[r] * alpha
             st.m[r] = x[r]
 
 
 @njit(cache=True)
-def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, st, hot_words):
+def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
     """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone and sets its
-    hot bit; a cold tile moves it to c, adds its sum to la and lc and its P̂·V̂ to o."""
+    hot bit; a cold tile moves it to c, adds its sum to la and lc, its groups' a_g to ad and its
+    P̂·V̂ to o."""
     if hot:
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
@@ -243,6 +252,7 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, st, hot
             if rows.valid[r]:
                 st.la[r] = st.la[r] + tl2[r, 0]
                 st.lc[r] = st.lc[r] + tl2[r, 0]
+                st.ad[r] = st.ad[r] + (((amass[r, 0] + amass[r, 1]) + amass[r, 2]) + amass[r, 3])
         fp4 = ops.fp4
         p1_mma(mode.model, phat, pcodes, pscales, ops.vhat_t[t], fp4.v_codes_t[t], fp4.v_scales_t[t],
                st.o, st.o)
@@ -264,25 +274,27 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
 
 @njit(cache=True)
 def p1_export(st, valid, vk, Kf, out):
-    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf per valid row."""
+    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row."""
     for r in range(ROWS):
         if valid[r]:
             for ch in range(st.o.shape[1]):
                 out.part[r, ch] = st.o[r, ch] * vk
             out.m1[r] = st.m[r]
             out.l1[r] = st.lc[r] * Kf
+            out.ad1[r] = st.ad[r] * Kf
 
 
 @njit(cache=True)
 def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
     """Pass 1 of one warp (§7) over ``order`` (§6.4). Writes ``out`` and, if ``traced``, ``trace``."""
-    st = P1State(np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
+    st = P1State(np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
                  np.zeros((ROWS, ops.qhat.shape[1]), F32))
     s = np.zeros((ROWS, TILE), F32)
     zero_s = np.zeros((ROWS, TILE), F32)
     phat = np.zeros((ROWS, TILE), F32)
     pcodes = np.zeros((ROWS, TILE), np.uint8)
     pscales = np.zeros((ROWS, GROUPS), np.uint8)
+    amass = np.zeros((ROWS, GROUPS), F32)
     tl2 = np.zeros((ROWS, 1), F32)
     gm = np.zeros((ROWS, GROUPS), F32)
     c = np.zeros(ROWS, F32)
@@ -290,10 +302,10 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         t = order[visit]
         p1_scores(mode.model, ops, t, zero_s, s)
         p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
-        p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales)
+        p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
         p1_row_sums(mode.model, phat, pcodes, pscales, tl2)
         hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft)
-        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, st, out.hot_words)
+        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
         if traced:
             p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)
     p1_export(st, rows.valid, mode.vk, k.Kf, out)

@@ -18,6 +18,7 @@ from .geometry import TILE, cdiv
 
 F32 = np.float32
 FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
+NRM_FLOOR, NRM_UP = F32(2.0**-126), F32(1 + 2.0**-10)  # §5.7
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Prepared:
     vhat_t: np.ndarray  # [Hkv, T, d, 64] f32, keys in slot order
     k16: np.ndarray  # [Hkv, T*64, d] f32 FP16 input keys, zero padded
     v16_t: np.ndarray  # [Hkv, T, d, 64] f32 FP16 input values, natural key order
+    qstat: np.ndarray  # [Hkv, R, 3] f32: qn, eq, q2n of §5.7
+    kvstat: np.ndarray  # [Hkv, 5] f32: kn, ek, k2n, vn, ev of §5.7
     # sm120 only: codes and UE4M3 scales
     q_codes: np.ndarray | None = None  # [terms, Hkv, R, d] u8
     q_scales: np.ndarray | None = None  # [terms, Hkv, R, d/16] u8
@@ -108,35 +111,48 @@ def prep_stats(k: np.ndarray, v: np.ndarray):
     return kmean, kg, vg
 
 
+def nrm(a: np.ndarray) -> np.ndarray:
+    """§5.7 nrm over the last axis: binary32 squares summed in channel order, then √(ss ⊕ 2⁻¹²⁶) ⊗ (1 + 2⁻¹⁰)."""
+    a = np.asarray(a, F32)
+    ss = np.zeros(a.shape[:-1], F32)
+    for c in range(a.shape[-1]):
+        ss = ss + a[..., c] * a[..., c]
+    return np.sqrt(ss + NRM_FLOOR) * NRM_UP
+
+
 def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32, cfg: Config, fp4: dict):
     """§5.3 per packed row: Q̂ (NVFP4 in one or two terms, FP8, or unquantized), c_q and the pass-2
-    row shift sh = (q·k̄ summed sequentially over channels) ⊗ qmul."""
+    row shift sh = (q·k̄ summed sequentially over channels) ⊗ qmul; and §5.7's qn, eq, q2n."""
     lsq = cfg.block_scale == "lsq"
     x = q16 * qmul
     am = np.abs(x).max(axis=2, keepdims=True)
     if cfg.quant_q and cfg.q_format == "fp8":
         qr = np.maximum(am, TINY) / E4M3_MAX
-        qhat = formats.e4m3_values(formats.e4m3_codes(x / qr))
+        x = x / qr
+        qhat = qeff = formats.e4m3_values(formats.e4m3_codes(x))
     else:
         qr = np.maximum(am, TINY) / QMAX
         x = x / qr
         if not cfg.quant_q:
-            qhat = operand(x, cfg)
+            qhat = qeff = operand(x, cfg)
         else:
             c1, s1 = formats.quantize_blocks(x, lsq)
             q1 = _fold(c1, s1)
             if cfg.q_terms == 1:
-                qhat, qc, qs = q1, [c1], [s1]
+                qhat = qeff = q1
+                qc, qs = [c1], [s1]
             else:
                 c2, s2 = formats.quantize_blocks(x - q1, lsq)
                 qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
                 qhat, qc, qs = operand(qsum, cfg), [c1, c2], [s1, s2]
+                qeff = qsum if cfg.mma == "sm120" else qhat  # what the score chain multiplies (§5.7)
             if cfg.mma == "sm120":
                 fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
     sh = np.zeros(q16.shape[:2], F32)
     for c in range(q16.shape[2]):  # sequential over channels
         sh = sh + q16[:, :, c] * kmean[:, None, c]
-    return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul
+    qstat = np.stack([nrm(qeff), nrm(x - qeff), nrm(q16)], axis=-1)
+    return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul, qstat
 
 
 def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_name: str, scales_name: str):
@@ -150,12 +166,13 @@ def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_nam
     return _fold(codes, scales)
 
 
-def prep_k(k16: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
-    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero."""
+def prep_k(k16: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict):
+    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek [Hkv]."""
     xk = k16 - kmean[:, None]
     xk *= (F32(1) / kg)[:, None, None]
     xk[:, S:] = 0
-    return _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
+    khat = _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
+    return khat, nrm(khat[:, :S]).max(axis=1), nrm(xk[:, :S] - khat[:, :S]).max(axis=1)
 
 
 def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
@@ -163,6 +180,17 @@ def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndar
     xv_t = v16_t[..., slot_keys(cfg.p_groups)]
     xv_t *= (F32(1) / vg)[:, None, None, None]
     return _pass1_operand(xv_t, cfg.quant_v, cfg, fp4, "v_codes_t", "v_scales_t")
+
+
+def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str) -> np.ndarray:
+    """§5.7's vn, ev [Hkv, 2] from the FP16 values v [S, Hkv, d] and V̂ᵀ in slot order."""
+    S, Hkv, d = v.shape
+    Hk, T = vhat_t.shape[:2]
+    vhat = np.empty_like(vhat_t)
+    vhat[..., slot_keys(p_groups)] = vhat_t  # back to key order
+    vh = (vhat.transpose(0, 1, 3, 2).reshape(Hk, T * TILE, d)[:, :S] * vg[:, None, None])  # exact: vg is 2^k
+    v32 = v.astype(F32).transpose(1, 0, 2)
+    return np.stack([nrm(v32).max(axis=1), nrm(v32 - vh).max(axis=1)], axis=-1)
 
 
 def prep_bytes(S: int, d: int) -> int:
@@ -188,10 +216,13 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     qmul = cfg.qmul(d)
     fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
-    qhat, cq, sh = prep_q(q16, kmean, kg, qmul, cfg, fp4)
+    qhat, cq, sh, qstat = prep_q(q16, kmean, kg, qmul, cfg, fp4)
+    khat, kn, ek = prep_k(k16, S, kmean, kg, cfg, fp4)
+    vhat_t = prep_v(v16_t, vg, cfg, fp4)
+    kvstat = np.concatenate([np.stack([kn, ek, nrm(k16[:, :S]).max(axis=1)], axis=-1),
+                             v_stats(v, vhat_t, vg, cfg.p_groups)], axis=-1).astype(F32)
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
-        q16=q16, qhat=qhat, cq=cq, sh=sh,
-        khat=prep_k(k16, S, kmean, kg, cfg, fp4), vhat_t=prep_v(v16_t, vg, cfg, fp4),
-        k16=k16, v16_t=v16_t, **fp4,
+        q16=q16, qhat=qhat, cq=cq, sh=sh, khat=khat, vhat_t=vhat_t,
+        k16=k16, v16_t=v16_t, qstat=qstat, kvstat=kvstat, **fp4,
     )

@@ -49,6 +49,8 @@ def row_dtype(d: int) -> np.dtype:
             ("l1", "<f4"),
             ("m2", "<f4"),
             ("l2", "<f4"),
+            ("ad1", "<f4"),
+            ("err_bound", "<f4"),
             ("part", "<f4", (d,)),
             ("o2", "<f4", (d,)),
             ("out", "<f2", (d,)),
@@ -56,7 +58,7 @@ def row_dtype(d: int) -> np.dtype:
     )
 
 
-ROW_FIELDS = ("m1", "l1", "m2", "l2", "part", "o2", "out")
+ROW_FIELDS = ("m1", "l1", "m2", "l2", "ad1", "err_bound", "part", "o2", "out")
 
 
 @dataclass(frozen=True)
