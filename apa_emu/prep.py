@@ -19,6 +19,7 @@ from .geometry import TILE, cdiv
 F32 = np.float32
 FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
 NRM_FLOOR, NRM_UP = F32(2.0**-126), F32(1 + 2.0**-10)  # §5.7
+KV_STATS = ("kn", "ek", "k2n", "vn", "ev")  # §5.7: the columns of Prepared.kvstat, in order
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Prepared:
     k16: np.ndarray  # [Hkv, T*64, d] f32 FP16 input keys, zero padded
     v16_t: np.ndarray  # [Hkv, T, d, 64] f32 FP16 input values, natural key order
     qstat: np.ndarray  # [Hkv, R, 3] f32: qn, eq, q2n of §5.7
-    kvstat: np.ndarray  # [Hkv, 5] f32: kn, ek, k2n, vn, ev of §5.7
+    kvstat: np.ndarray  # [Hkv, len(KV_STATS)] f32
     # sm120 only: codes and UE4M3 scales
     q_codes: np.ndarray | None = None  # [terms, Hkv, R, d] u8
     q_scales: np.ndarray | None = None  # [terms, Hkv, R, d/16] u8

@@ -77,10 +77,12 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     be = device.backend()
     be.synchronize()
     out = be.xp.asnumpy(plan.out).view(np.float16)
+    bound = be.xp.asnumpy(plan.bound)
     hot = be.xp.asnumpy(plan.hot)
     visits, rows = plan.trace_arrays()
     return Result(
         out=out[0] if squeeze else out,
+        err_bound=bound[0] if squeeze else bound,
         hot=hot,
         active_tiles=shape.active_tiles(),
         hot_tiles=int(np.unpackbits(hot.view(np.uint8)).sum()),
@@ -120,6 +122,7 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     return dict(
         kmean=get(plan.kmean), kg=sc[..., 0], vg=sc[..., 1],
         qhat=h(plan.qhat)[:, :, : s.R], cq=get(plan.cq)[:, :, : s.R], sh=get(plan.sh)[:, :, : s.R],
+        qstat=get(plan.qstat)[:, :, : s.R], kvstat=get(plan.kvstat).view(np.float32),
         khat=khat.reshape(s.B, s.Hkv, s.ntiles * TILE, s.d), vhat_t=vhat,
     )
 

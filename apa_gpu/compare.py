@@ -60,13 +60,19 @@ def first_divergence(emu, gpu) -> dict | None:
         d = _record_divergence("rows", emu.rows, gpu.rows, ("b", "hk", "row") + tr.ROW_FIELDS, ("b", "hk", "row"))
         if d is not None:
             return d
-    a, b = canon_nan(emu.out), canon_nan(gpu.out)
+    return _array_divergence("out", emu.out, gpu.out) or _array_divergence("err_bound", emu.err_bound, gpu.err_bound)
+
+
+def _array_divergence(where: str, emu: np.ndarray, gpu: np.ndarray) -> dict | None:
+    """The first element where two float arrays differ bitwise (NaNs canonical), with the count."""
+    a, b = canon_nan(emu), canon_nan(gpu)
     if a.shape != b.shape:
-        return {"where": "out", "field": "shape", "emulator": a.shape, "gpu": b.shape}
-    bad = np.argwhere(a.view(np.uint16) != b.view(np.uint16))
+        return {"where": where, "field": "shape", "emulator": a.shape, "gpu": b.shape}
+    bits = f"u{a.dtype.itemsize}"
+    bad = np.argwhere(a.view(bits) != b.view(bits))
     if bad.size:
         idx = tuple(int(i) for i in bad[0])
-        return {"where": "out", "index": idx, "count": len(bad), "emulator": a[idx], "gpu": b[idx]}
+        return {"where": where, "index": idx, "count": len(bad), "emulator": a[idx], "gpu": b[idx]}
     return None
 
 
@@ -122,7 +128,8 @@ def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:
     for b in range(qb.shape[0]):
         p = prepare(qb[b], kb[b], vb[b], int(q_offset), cfg)
         for name, emu in (("kmean", p.kmean), ("kg", p.kg), ("vg", p.vg), ("qhat", p.qhat), ("cq", p.cq),
-                          ("sh", p.sh), ("khat", p.khat), ("vhat_t", p.vhat_t)):
+                          ("sh", p.sh), ("khat", p.khat), ("vhat_t", p.vhat_t), ("qstat", p.qstat),
+                          ("kvstat", p.kvstat)):
             g = np.asarray(gpu[name][b], np.float32)
             e = np.asarray(emu, np.float32)
             if g.shape != e.shape:

@@ -26,6 +26,7 @@ import numpy as np
 
 from apa_emu import trace as tr
 from apa_emu.geometry import TILE
+from apa_emu.prep import KV_STATS
 
 from .build import backend_name, build, find_nvcc
 from . import params
@@ -192,6 +193,7 @@ class Layout(NamedTuple):
     p2_mask_words: int  # pass 2's hot-mask words per mask word W
     visit_bytes: int  # trace records, checked against apa_emu.trace
     row_bytes: int
+    kv_stats: int  # per-head certificate statistics, checked against apa_emu.prep (§5.7)
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,8 @@ def check_layout(values, variant) -> Layout:
         raise RuntimeError(f"apa_gpu: {variant.name}'s apa_layout has {len(values)} values, device.Layout "
                            f"{len(Layout._fields)}")
     lay = Layout(*values)
-    want = dict(tile=TILE, visit_bytes=tr.VISIT_DTYPE.itemsize, row_bytes=tr.row_dtype(variant.d).itemsize)
+    want = dict(tile=TILE, visit_bytes=tr.VISIT_DTYPE.itemsize, row_bytes=tr.row_dtype(variant.d).itemsize,
+                kv_stats=len(KV_STATS))
     bad = {k: (getattr(lay, k), v) for k, v in want.items() if getattr(lay, k) != v}
     if bad:
         raise RuntimeError(f"apa_gpu: {variant.name} disagrees with apa_emu (kernel, host): {bad}")

@@ -78,11 +78,12 @@ class Struct:
 # cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
 GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32)])
 
-# cuda/apa.cu PrepParams: the six prep kernels (§5).
+# cuda/apa.cu PrepParams: the seven prep kernels (§5).
 PREP = Struct("PrepParams", [
     ("sz", GEOM_SIZES),
     ("q", PTR), ("k", PTR), ("v", PTR), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
-    ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("khat", PTR), ("vhat", PTR), ("kimg", PTR), ("vimg", PTR),
+    ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
+    ("kimg", PTR), ("vimg", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
     ("interleaved", I32),
 ])
@@ -95,10 +96,14 @@ PASS1_ARGS = Struct("Pass1Args", [
     ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32),
 ])
 
+# cuda/merge.cuh CertConsts: apa_emu.constants.CertConsts, by the same names (§9.7).
+CERT = Struct("CertConsts", [("sd", F32), ("cs", F32), ("c2", F32), ("fast", F32), ("delta", F32)])
+
 # cuda/pass2.cuh Pass2Args.
 PASS2_ARGS = Struct("Pass2Args", [
     ("q", PTR), ("k", PTR), ("v", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
-    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32),
+    ("cq", PTR), ("qstat", PTR), ("kvstat", PTR), ("bound", PTR),
+    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("cert", CERT),
 ])
 
 # cuda/apa.cu: the entry points of the two passes and of the fused persistent launch.
@@ -110,7 +115,7 @@ FUSED = Struct("FusedParams", [
 
 # cuda/apa.cu's entry points and the struct each takes.
 KERNELS = {
-    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v", "apa_prep_kv16"),
-                    PREP),
+    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v", "apa_prep_kv16",
+                     "apa_prep_cert"), PREP),
     "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
 }

@@ -63,14 +63,17 @@ class Plan:
         self.qhat = xp.empty((B, Hkv, s.Rp, d), np.uint16)
         self.cq = xp.empty((B, Hkv, s.Rp), np.float32)
         self.sh = xp.empty((B, Hkv, s.Rp), np.float32)
+        self.qstat = xp.empty((B, Hkv, s.Rp, 3), np.float32)
+        self.kvstat = xp.zeros((B, Hkv, lay.kv_stats), np.uint32)
         self.khat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
         self.vhat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
         self.kimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # FP16 tile images for pass 2
         self.vimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
-        self.ml = xp.empty((B, Hkv, s.Rp, 2), np.float32)
+        self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         self.hot = xp.zeros((B, Hkv, s.nw, s.W), np.uint32)
         self.out = xp.empty((B, s.n, s.H, d), np.uint16)
+        self.bound = xp.empty((B, s.n, s.H), np.float32)
         self.counters = xp.zeros(4, np.uint32)
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
         self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset)
@@ -113,12 +116,14 @@ class Plan:
         """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous)."""
         s, cfg, lay = self.shape, self.cfg, self.layout
         p = dict(sz=self.sizes, q=q, k=k, v=v, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
-                 qhat=self.qhat, cq=self.cq, sh=self.sh, khat=self.khat, vhat=self.vhat, kimg=self.kimg,
+                 qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat, khat=self.khat,
+                 vhat=self.vhat, kimg=self.kimg,
                  vimg=self.vimg, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
                  quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
                  interleaved=cfg.p_groups == "interleaved")
         self.ksum.fill(0)
         self.amax.fill(0)
+        self.kvstat.fill(0)
         nb, bhd = s.d // 16, (s.Hkv, s.B)
         self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
         self._launch("apa_prep_finalize", bhd, s.d, p)
@@ -127,6 +132,7 @@ class Plan:
         self._launch("apa_prep_v", (cdiv(s.ntiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_kv16", (cdiv(s.ntiles * TILE * (s.d // 8), PREP_THREADS), *bhd),
                      PREP_THREADS, p)
+        self._launch("apa_prep_cert", (cdiv(s.ntiles * TILE, PREP_THREADS), *bhd), PREP_THREADS, p)
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
@@ -137,8 +143,9 @@ class Plan:
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p)
         pass2 = dict(q=q, k=self.kimg, v=self.vimg, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
-                     out=self.out, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul,
-                     all_hot=self.all_hot)
+                     out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
+                     trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
+                     cert=cfg.cert_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)

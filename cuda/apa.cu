@@ -5,6 +5,7 @@
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:
 //   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v, apa_prep_kv16
+//   -> apa_prep_cert (after prep_k and prep_v: it reads their images)
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge),
 // or the prep kernels, then apa_fused. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
@@ -16,7 +17,7 @@
 
 using namespace apa;
 
-// The six prep kernels share one struct: each reads the fields of its own step (§5).
+// The seven prep kernels share one struct: each reads the fields of its own step (§5).
 struct PrepParams {
     GeomSizes sz;
     const uint16_t* q;          // [B, n, H, D] f16
@@ -29,6 +30,8 @@ struct PrepParams {
     uint16_t* qhat;
     float* cq;
     float* sh;
+    float* qstat;
+    unsigned int* kvstat;       // zeroed by the host
     uint16_t* khat;
     uint16_t* vhat;
     uint16_t* kimg;
@@ -83,7 +86,11 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_con
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
-    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, Geom(p.sz), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
+    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
+}
+
+extern "C" __global__ void __launch_bounds__(128) apa_prep_cert(const __grid_constant__ PrepParams p) {
+    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, Geom(p.sz), p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -158,14 +165,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
 // and the trace record sizes (checked against apa_emu.trace's dtypes).
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
-                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES);
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
                   APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
                   APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),
-                  APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, khat),
+                  APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, qstat),
+                  APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
                   APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
@@ -177,10 +185,14 @@ APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq
                   APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
                   APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
                   APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p));
+APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
+                  APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
                   APA_FIELD(Pass2Args, sh), APA_FIELD(Pass2Args, part), APA_FIELD(Pass2Args, ml),
-                  APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, trace_rows),
-                  APA_FIELD(Pass2Args, row_base), APA_FIELD(Pass2Args, qmul), APA_FIELD(Pass2Args, all_hot));
+                  APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, cq),
+                  APA_FIELD(Pass2Args, qstat), APA_FIELD(Pass2Args, kvstat), APA_FIELD(Pass2Args, bound),
+                  APA_FIELD(Pass2Args, trace_rows), APA_FIELD(Pass2Args, row_base), APA_FIELD(Pass2Args, qmul),
+                  APA_FIELD(Pass2Args, all_hot), APA_FIELD(Pass2Args, cert));
 APA_PARAMS_LAYOUT(Pass1Params, APA_FIELD(Pass1Params, sz), APA_FIELD(Pass1Params, pass1));
 APA_PARAMS_LAYOUT(Pass2Params, APA_FIELD(Pass2Params, sz), APA_FIELD(Pass2Params, pass2));
 APA_PARAMS_LAYOUT(FusedParams, APA_FIELD(FusedParams, sz), APA_FIELD(FusedParams, B),

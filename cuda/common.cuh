@@ -32,6 +32,7 @@ constexpr int WARPS = 12;             // warps per CTA (§6.2)
 constexpr int ROWS_PER_CTA = 16 * WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
+constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek, k2n, vn, ev (§5.7)
 
 // The basic sizes of one call, as every kernel's parameter struct carries them (apa.cu).
 struct GeomSizes {

@@ -1,4 +1,5 @@
-// merge.cuh: the log-sum-exp merge of pass 1's and pass 2's results of one row (docs/numerics.md §9).
+// merge.cuh: the log-sum-exp merge of pass 1's and pass 2's results of one row, and the row's
+// output-error certificate (docs/numerics.md §9).
 #pragma once
 
 #include "fpmath.cuh"
@@ -6,16 +7,16 @@
 namespace apa {
 
 struct MergeWeights {
-    float w1, w2, inv;
+    float M, w1, w2, den, inv;
 };
 
-// §9.1–9.3: the weights of pass 1's (m1, l1) and pass 2's (m2, l2) and the inverse of the sum.
+// §9.1–9.3: the weights of pass 1's (m1, l1) and pass 2's (m2, l2), their denominator and its inverse.
 __device__ __forceinline__ MergeWeights merge_weights(float m1, float l1, float m2, float l2) {
     const float M = fmaxf(m1, m2);                                   // §9.1
     const float w1 = (l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f;         // §9.2
     const float w2 = (l2 > 0.0f) ? exp2x(fsub(m2, M)) : 0.0f;
-    const float inv = fdiv(1.0f, fadd(fmul(w1, l1), fmul(w2, l2)));  // §9.3
-    return {w1, w2, inv};
+    const float den = fadd(fmul(w1, l1), fmul(w2, l2));             // §9.3
+    return {M, w1, w2, den, fdiv(1.0f, den)};
 }
 
 // §9.4: two adjacent output channels from pass 1's part and pass 2's o2, as an f16x2 pair.
@@ -23,6 +24,65 @@ __device__ __forceinline__ uint32_t merge_out2(const MergeWeights& mw, float2 pa
     const float ya = fmul(fadd(fmul(mw.w1, part.x), fmul(mw.w2, o2a)), mw.inv);
     const float yb = fmul(fadd(fmul(mw.w1, part.y), fmul(mw.w2, o2b)), mw.inv);
     return f16x2(ya, yb);
+}
+
+// §9.7 constants of a call (apa_emu.constants.CertConsts, by the same names).
+struct CertConsts {
+    float sd, cs, c2, fast, delta;
+};
+
+// §9.7 inputs of one row besides its merge weights: pass 1's m1, l1, ad1 and pass 2's l2; the row's
+// c_q and §5.7 statistics; the head's kn, ek, k2n, vn, ev; the key limit, the warp's hot tiles, and
+// whether every channel of the FP16 output is finite.
+struct CertRow {
+    float m1, l1, ad1, l2, cq, qn, eq, q2n;
+    float kn, ek, k2n, vn, ev;
+    int lim, nh;
+    bool finite;
+};
+
+// §9.7 X(x) = ((exp2(x) ⊗ K_E) ⊖ 1) ⊕ 2⁻²⁰ ≥ 2ˣ − 1.
+__device__ __forceinline__ float cert_expm1_up(float x) {
+    return fadd(fsub(fmul(exp2x(x), f32_from_bits(0x3F800008u)), 1.0f), f32_from_bits(0x35800000u));
+}
+
+// §9.7 steps 1–11: the bound of ‖out − O‖₂.
+__device__ __forceinline__ float merge_bound(const MergeWeights& mw, const CertRow& r, const CertConsts& k,
+                                             float qmul) {
+    const float one = 1.0f, p16 = f32_from_bits(0x37800000u), p20 = f32_from_bits(0x35800000u);
+    const float G = f32_from_bits(0x39800000u);  // 2⁻¹²
+    const float nt = (float)(r.lim / 64 + 1), nv = (float)(r.lim + 1), nh = (float)r.nh;
+    const float lc = fmul(mw.w1, r.l1), lh = fmul(mw.w2, r.l2);  // step 1
+    const float wa = (r.ad1 > 0.0f) ? exp2x(fsub(r.m1, mw.M)) : 0.0f;
+    const float ad = fmul(wa, r.ad1);
+    const float a1 = cert_expm1_up(fmul(fadd(nt, one), p16));  // step 2
+    const float a2 = cert_expm1_up(fmul(nh, k.c2));
+    const float b2 = cert_expm1_up(fmul(fadd(nh, one), p16));
+    const float lcu = fmul(lc, fadd(one, a1)), lhu = fmul(lh, fadd(one, b2));
+    const float e_d = fadd(fmul(a1, lc), fmul(b2, lh));
+    const float b1 = fmul(r.cq, fmul(fadd(r.qn, r.eq), fadd(r.kn, r.ek)));  // step 3
+    const float d1 = fadd(fadd(fmul(r.cq, fadd(fmul(r.qn, r.ek), fmul(r.eq, fadd(r.kn, r.ek)))),
+                               fmul(G, fadd(fadd(b1, k.delta), 16.0f))),
+                          fadd(fmul(nt, p20), k.fast));
+    const float bb2 = fmul(qmul, fmul(r.q2n, r.k2n));  // step 4
+    const float d2 = fadd(fadd(fmul(bb2, k.cs), fmul(G, fadd(fadd(bb2, bb2), 16.0f))), fadd(fmul(nh, p20), k.fast));
+    const float g1 = cert_expm1_up(d1), g2 = cert_expm1_up(d2);  // step 5
+    const float e = fadd(fadd(fadd(fmul(g1, lcu),
+                                   fmul(fadd(g1, one), fadd(fmul(lcu, 0.25f), fmul(fmul(ad, 4.0f), fadd(one, a1))))),
+                              fmul(g2, lhu)),
+                         fmul(nv, f32_from_bits(0x0D800000u)));  // 2⁻¹⁰⁰ per key flushed by an exp2
+    const float et = fadd(e, e_d);
+    const float e_n = fadd(fmul(a1, fmul(lc, fadd(r.vn, r.ev))),  // step 6
+                           fmul(a2, fadd(fmul(lh, r.vn), fmul(mw.w2, fmul(k.sd, f32_from_bits(0x38800000u))))));
+    const float on = fdiv(fadd(fadd(fmul(lcu, fadd(r.vn, r.ev)), fmul(lhu, r.vn)), e_n), mw.den);  // step 7
+    const float num = fadd(fadd(fmul(et, fadd(r.vn, on)), fmul(lcu, r.ev)), e_n);  // step 8
+    const float den = fsub(fmul(mw.den, f32_from_bits(0x3F7FFF00u)), fmul(et, f32_from_bits(0x3F800080u)));
+    const float fin = fadd(fmul(on, f32_from_bits(0x3A004000u)), fmul(k.sd, f32_from_bits(0x33000000u)));  // step 9
+    const float triv = fadd(fadd(on, fin), r.vn);
+    const float bound = fmul(den > 0.0f ? fminf(fadd(fdiv(num, den), fin), triv) : triv,  // step 10
+                             f32_from_bits(0x3F800800u));
+    const bool lost = !r.finite || (r.nh > 0 && fmul(r.q2n, r.k2n) >= 65504.0f);  // step 11
+    return lost ? pos_inf() : bound;
 }
 
 }  // namespace apa

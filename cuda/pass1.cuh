@@ -1,7 +1,7 @@
 // pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of 12 warps (§6.2).
 //
 // Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
-// ("hi") of the warp: m, la, lc replicated over the 4 lanes of the quad, and o as the f32
+// ("hi") of the warp: m, la, lc, ad replicated over the 4 lanes of the quad, and o as the f32
 // accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction below
 // is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
 #pragma once
@@ -20,7 +20,7 @@ struct Pass1Args {
     const uint16_t* vhat;
     const float* scales;
     float* part;             // [B, Hkv, Rp, D]
-    float* ml;               // [B, Hkv, Rp, 2] = (m1, l1)
+    float* ml;               // [B, Hkv, Rp, 3] = (m1, l1, ad1)
     uint32_t* hot;           // [B, Hkv, nw, W], zeroed by the host
     uint8_t* trace_visits;   // VISIT_DTYPE records (trace builds)
     const int* visit_base;   // [B, Hkv, nw]: first record index of the warp, -1 = not traced
@@ -44,9 +44,10 @@ constexpr int P1_STAGES = 5;
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
 constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
-// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la.
+// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad.
 template <int NDN>
-__device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float (&o)[NDN][4], int half) {
+__device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float& ad, float (&o)[NDN][4],
+                                          int half) {
     if (x != m) {
         const float alpha = exp2x<exp2s_nonpos>(fsub(m, x));
 #pragma unroll
@@ -56,6 +57,7 @@ __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& l
         }
         lc = fmul(lc, alpha);
         la = fmul(la, alpha);
+        ad = fmul(ad, alpha);
         m = x;
     }
 }
@@ -98,34 +100,47 @@ __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float tl_lo, flo
 // the hot bit and zeroes P̂, so the tile adds nothing to o.)
 template <int NDN>
 __device__ __forceinline__ void p1_hot_branch(float c, float tl, float delta, float& m, float& la, float& lc,
-                                              float (&o)[NDN][4], int half) {
+                                              float& ad, float (&o)[NDN][4], int half) {
     const float f = fmaxf(m, fsub(c, delta));
     const float b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
-    p1_update(f, m, la, lc, o, half);
+    p1_update(f, m, la, lc, ad, o, half);
     la = fadd(la, fmul(tl, b));
 }
 
-// §7.8 cold branch for one row: frame c, la ⊕= tl, lc ⊕= tl (the caller's P̂·V̂ adds to o).
+// §7.8 cold branch for one row: frame c, la ⊕= tl, lc ⊕= tl, ad ⊕= the groups' a_g summed in order
+// (mass); the caller's P̂·V̂ adds to o.
 template <int NDN>
-__device__ __forceinline__ void p1_cold_branch(float c, float tl, float& m, float& la, float& lc,
-                                               float (&o)[NDN][4], int half) {
-    p1_update(c, m, la, lc, o, half);
+__device__ __forceinline__ void p1_cold_branch(float c, float tl, float mass, float& m, float& la, float& lc,
+                                               float& ad, float (&o)[NDN][4], int half) {
+    p1_update(c, m, la, lc, ad, o, half);
     la = fadd(la, tl);
     lc = fadd(lc, tl);
+    ad = fadd(ad, mass);
 }
 
-// P scale of one group (§7.4): returns bias, sets dec(kb).
+// §7.8 ((a₀ ⊕ a₁) ⊕ a₂) ⊕ a₃ of a row from the quad lanes t0 = g that hold each group's a_g.
+__device__ __forceinline__ float p1_group_mass(float my_mass) {
+    const int base = (threadIdx.x & 31) & ~3;
+    float sum = 0.0f;  // +0 ⊕ a₀ = a₀
+#pragma unroll
+    for (int gi = 0; gi < 4; ++gi) sum = fadd(sum, __shfl_sync(0xFFFFFFFFu, my_mass, base | gi));
+    return sum;
+}
+
+// P scale of one group (§7.4): returns bias, sets dec(kb) and §7.8's a_g = min(dec(kb), 24 ⊗ exp2(u₀)).
 // lg2_lane: LG2[lane] on lanes 0..8 (a shuffle, not a switch: lanes differ in mi, and a divergent
 // jump table serializes them).
 __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float lg2_lane,
-                                           float& scale) {
-    float u = fadd(fmul(gm, cq), fsub(a.A, c));
-    u = fminf(fmaxf(u, -6.0f), 8.0f);
+                                           float& scale, float& mass) {
+    const float u0 = fadd(fmul(gm, cq), fsub(a.A, c));
+    const float u = fminf(fmaxf(u0, -6.0f), 8.0f);
     const float fl = floorf(u);
     const float Lc = fsub(a.L, c);
+    const float mass_cap = fmul(24.0f, exp2x(u0));  // u₀ ≤ 8; −inf (masked group) gives 0
     if (a.pow2) {
         const float cu = ceilf(u);
         scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
+        mass = fminf(scale, mass_cap);
         return fsub(Lc, cu);
     }
     const float e = exp2x<exp2s_core>(fsub(u, fl));  // u - fl in [0, 1)
@@ -134,6 +149,7 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
     mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
 #endif
     scale = ue4m3_dec((uint32_t)(8 * ((int)fl + 7) + mi));
+    mass = fminf(scale, mass_cap);
     return fsub(Lc, fadd(fl, __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
 }
 
@@ -193,11 +209,12 @@ __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, fl
     f[g + 8] = vhi ? hi : 0.0f;
 }
 
-// §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf.
+// §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf,
+// ad1 = ad ⊗ Kf.
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
                                           const float (&o)[NDN][4], float m_lo, float m_hi, float lc_lo,
-                                          float lc_hi) {
+                                          float lc_hi, float ad_lo, float ad_hi) {
     const float kf = a.Kf;
     const float vk = fmul(a.scales[bh * 2 + 1], kf);
 #pragma unroll
@@ -211,8 +228,10 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
             *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
         }
         if (wr.t0 == 0) {
-            a.ml[(bh * geo.Rp + r) * 2 + 0] = half ? m_hi : m_lo;
-            a.ml[(bh * geo.Rp + r) * 2 + 1] = fmul(half ? lc_hi : lc_lo, kf);
+            float* ml = a.ml + (bh * geo.Rp + r) * 3;
+            ml[0] = half ? m_hi : m_lo;
+            ml[1] = fmul(half ? lc_hi : lc_lo, kf);
+            ml[2] = fmul(half ? ad_hi : ad_lo, kf);
         }
     }
 }
@@ -250,6 +269,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     cp_async_commit();
 
     float m_lo = neg_inf(), m_hi = neg_inf(), la_lo = 0.0f, la_hi = 0.0f, lc_lo = 0.0f, lc_hi = 0.0f;
+    float ad_lo = 0.0f, ad_hi = 0.0f;
     float o[NDN][4];
 #pragma unroll
     for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
@@ -316,11 +336,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
             // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
             // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
-            float my_sc_lo, my_sc_hi;
+            float my_sc_lo, my_sc_hi, my_mass_lo, my_mass_hi;
             const float gsel_lo = wr.t0 == 0 ? gm_lo[0] : wr.t0 == 1 ? gm_lo[1] : wr.t0 == 2 ? gm_lo[2] : gm_lo[3];
             const float gsel_hi = wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3];
-            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo);
-            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi);
+            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo, my_mass_lo);
+            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi, my_mass_hi);
             float tl4[4];  // §7.6 tile row sums
             if (a.quant_p)
                 p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
@@ -329,14 +349,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             const bool hot = p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, la_lo, la_hi, a.eps);
             if (hot) {
-                p1_hot_branch(c_lo, tl_lo, a.delta, m_lo, la_lo, lc_lo, o, 0);
-                p1_hot_branch(c_hi, tl_hi, a.delta, m_hi, la_hi, lc_hi, o, 1);
+                p1_hot_branch(c_lo, tl_lo, a.delta, m_lo, la_lo, lc_lo, ad_lo, o, 0);
+                p1_hot_branch(c_hi, tl_hi, a.delta, m_hi, la_hi, lc_hi, ad_hi, o, 1);
                 if (wr.lane == 0) atomicOr(a.hot + (bh * geo.nw + wr.w) * geo.W + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
-                p1_cold_branch(c_lo, tl_lo, m_lo, la_lo, lc_lo, o, 0);
-                p1_cold_branch(c_hi, tl_hi, m_hi, la_hi, lc_hi, o, 1);
+                const float mass_lo = p1_group_mass(my_mass_lo), mass_hi = p1_group_mass(my_mass_hi);
+                p1_cold_branch(c_lo, tl_lo, mass_lo, m_lo, la_lo, lc_lo, ad_lo, o, 0);
+                p1_cold_branch(c_hi, tl_hi, mass_hi, m_hi, la_hi, lc_hi, ad_hi, o, 1);
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
@@ -368,7 +389,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
-    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, lc_lo, lc_hi);
+    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, lc_lo, lc_hi, ad_lo, ad_hi);
 }
 
 }  // namespace apa

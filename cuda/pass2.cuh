@@ -19,19 +19,25 @@ struct Pass2Args {
     const uint16_t* v;
     const float* sh;         // [B, Hkv, Rp]
     const float* part;       // [B, Hkv, Rp, D] (unused when all_hot)
-    const float* ml;         // [B, Hkv, Rp, 2] (unused when all_hot)
+    const float* ml;         // [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot)
     uint32_t* hot;           // [B, Hkv, nw, W]: read; written when all_hot
     uint16_t* out;           // [B, n, H, D] f16
+    const float* cq;         // [B, Hkv, Rp] (§5.3)
+    const float* qstat;      // [B, Hkv, Rp, 3] (§5.7)
+    const unsigned int* kvstat;  // [B, Hkv, 5] float bits (§5.7)
+    float* bound;            // [B, n, H] f32: err_bound (§9.7)
     uint8_t* trace_rows;     // row_dtype(D) records (trace builds)
     const int* row_base;     // [B, Hkv, nw]: record index of the warp's first row, -1 = not traced
     float qmul;
     int all_hot;             // ε < 0 (§9.6): no pass 1, every active tile hot
+    CertConsts cert;
 };
 
-// row_dtype(D) byte layout (apa_emu/trace.py): b, hk, row (i4), m1, l1, m2, l2 (f4), part[D],
-// o2[D] (f4), out[D] (f2); packed, no alignment padding.
-constexpr int ROW_BYTES = 28 + 10 * D;
-constexpr int ROW_PART = 28, ROW_O2 = 28 + 4 * D, ROW_OUT = 28 + 8 * D;
+// row_dtype(D) byte layout (apa_emu/trace.py): b, hk, row (i4), m1, l1, m2, l2, ad1, err_bound (f4),
+// part[D], o2[D] (f4), out[D] (f2); packed, no alignment padding.
+constexpr int ROW_HEAD = 36;
+constexpr int ROW_BYTES = ROW_HEAD + 10 * D;
+constexpr int ROW_PART = ROW_HEAD, ROW_O2 = ROW_HEAD + 4 * D, ROW_OUT = ROW_HEAD + 8 * D;
 
 struct Pass2State {
 #if APA_P2_F32
@@ -203,27 +209,31 @@ constexpr int P2_STAGES = 6;
 constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
 constexpr int P2_SMEM_WORDS = 1 + WARPS;
 
-// §8.6 end and §9 merge of the warp's valid rows (every warp, with or without hot tiles: §9.5),
-// stored to out and, in trace builds, to the row records (§10). Pass 1's m1, l1 and part are read
-// with ld.global.cg (see pass2_cta).
+// §8.6 end, §9 merge and §9.7 certificate of the warp's valid rows (every warp, with or without hot
+// tiles: §9.5), stored to out and bound and, in trace builds, to the row records (§10). Pass 1's ml and
+// part are read with ld.global.cg (see pass2_cta). Hs: the warp's hot-mask words (nh of §9.7).
 __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& geo, const WarpRows& wr,
-                                              const Pass2State& st, int b, int hk) {
+                                              const Pass2State& st, const uint32_t* Hs, int b, int hk) {
     constexpr int NDN = D / 8;
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const float l2_lo = p2_l2(st.l4_lo);
     const float l2_hi = p2_l2(st.l4_hi);
+    int nh = 0;
+    for (int j = 0; j <= (wr.Tw >> 5); ++j) nh += __popc(Hs[j]);
+    float ml[2][3];
+    MergeWeights mw[2];
+    bool bad[2] = {false, false};  // a non-finite channel of the lane's share of the row
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+        ml[half][0] = neg_inf();
+        ml[half][1] = ml[half][2] = 0.0f;
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         const int r = half ? wr.r_hi : wr.r_lo;
-        const float m2 = half ? st.m_hi : st.m_lo;
-        const float l2 = half ? l2_hi : l2_lo;
-        float m1 = neg_inf(), l1 = 0.0f;
         if (!a.all_hot) {
-            m1 = __ldcg(a.ml + (bh * geo.Rp + r) * 2 + 0);
-            l1 = __ldcg(a.ml + (bh * geo.Rp + r) * 2 + 1);
+#pragma unroll
+            for (int i = 0; i < 3; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp + r) * 3 + i);
         }
-        const MergeWeights mw = merge_weights(m1, l1, m2, l2);
+        mw[half] = merge_weights(ml[half][0], ml[half][1], half ? st.m_hi : st.m_lo, half ? l2_hi : l2_lo);
         const int i_q = r / geo.G, h = hk * geo.G + r % geo.G;
         uint16_t* orow = a.out + (((size_t)b * geo.n + i_q) * geo.H + h) * D;
         const float* prow = a.part + (bh * geo.Rp + r) * D;
@@ -240,11 +250,12 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             float2 pv = make_float2(0.0f, 0.0f);
             if (!a.all_hot) pv = __ldcg(reinterpret_cast<const float2*>(prow + c));
             const float o2a = p2_o2(st, dn, half, 0), o2b = p2_o2(st, dn, half, 1);
-            const uint32_t pr = merge_out2(mw, pv, o2a, o2b);
+            const uint32_t pr = merge_out2(mw[half], pv, o2a, o2b);
             *reinterpret_cast<uint32_t*>(orow + c) = pr;
+            bad[half] |= (pr & 0x7C00u) == 0x7C00u || (pr & 0x7C000000u) == 0x7C000000u;
 #if APA_TRACE
             if (rec != nullptr) {
-                // Records are only 4-byte aligned (28 + 10 D bytes each): scalar stores.
+                // Records are only 4-byte aligned (36 + 10 D bytes each): scalar stores.
                 float* fp = reinterpret_cast<float*>(rec + ROW_PART + 4 * c);
                 float* fo = reinterpret_cast<float*>(rec + ROW_O2 + 4 * c);
                 fp[0] = pv.x; fp[1] = pv.y;
@@ -253,12 +264,37 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             }
 #endif
         }
+    }
+    // Finiteness of each row over its quad (an OR: order-free), with every lane of the warp present.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int any = bad[half] ? 1 : 0;
+        any |= __shfl_xor_sync(0xFFFFFFFFu, any, 1);
+        any |= __shfl_xor_sync(0xFFFFFFFFu, any, 2);
+        bad[half] = any != 0;
+    }
+    if (wr.t0 != 0) return;
+    const unsigned int* kv = a.kvstat + bh * KV_STATS;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (!(half ? wr.v_hi : wr.v_lo)) continue;
+        const int r = half ? wr.r_hi : wr.r_lo;
+        const float* qs = a.qstat + (bh * geo.Rp + r) * 3;
+        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, a.cq[bh * geo.Rp + r],
+                          qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
+                          __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
+                          half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
+        const float eb = merge_bound(mw[half], row, a.cert, a.qmul);
+        a.bound[((size_t)b * geo.n + r / geo.G) * geo.H + hk * geo.G + r % geo.G] = eb;
 #if APA_TRACE
-        if (rec != nullptr && wr.t0 == 0) {
+        const int rb = a.row_base[bh * geo.nw + wr.w];
+        if (rb >= 0) {
+            uint8_t* rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
             int* hdr = reinterpret_cast<int*>(rec);
             float* fh = reinterpret_cast<float*>(rec);
             hdr[0] = b; hdr[1] = hk; hdr[2] = r;
-            fh[3] = m1; fh[4] = l1; fh[5] = m2; fh[6] = l2;
+            fh[3] = ml[half][0]; fh[4] = ml[half][1]; fh[5] = half ? st.m_hi : st.m_lo; fh[6] = row.l2;
+            fh[7] = ml[half][2]; fh[8] = eb;
         }
 #endif
     }
@@ -346,7 +382,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         cur = p2_next_tile(U, cur + 1, wr.Tmax);
     }
 
-    if (wr.warp_active) p2_merge_rows(a, geo, wr, st, b, hk);
+    if (wr.warp_active) p2_merge_rows(a, geo, wr, st, Hs, b, hk);
 }
 
 }  // namespace apa

@@ -6,6 +6,8 @@
 //   amax [B, Hkv, 2] u32 (float bits of max|K|, max|V|; zeroed by the host)
 //   kmean [B, Hkv, D] f32; scales [B, Hkv, 2] f32 = (kg, vg)
 //   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
+//   qstat [B, Hkv, Rp, 3] f32 = (qn, eq, q2n); kvstat [B, Hkv, 5] u32 = float bits of (kn, ek, k2n, vn,
+//   ev) (§5.7; zeroed by the host)
 //   kimg, vimg [B, Hkv, ntkv, 64 * D] f16: K and V tile images for pass 2 (prep_kv16)
 //   khat, vhat [B, Hkv, ntkv, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), keys of a
 //   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero. Each tile is the wgmma operand
@@ -24,6 +26,12 @@ __device__ __forceinline__ long long f16_units(uint16_t bits) {
     const int e = (bits >> 10) & 31, m = bits & 1023;
     const long long mag = e == 0 ? (long long)m : ((long long)(1024 + m) << (e - 1));
     return (bits & 0x8000u) ? -mag : mag;
+}
+
+// §5.7 nrm: squares summed in order, then √(ss ⊕ 2⁻¹²⁶) ⊗ (1 + 2⁻¹⁰).
+__device__ __forceinline__ float nrm_add(float ss, float a) { return fadd(ss, fmul(a, a)); }
+__device__ __forceinline__ float nrm_end(float ss) {
+    return fmul(fsqrt(fadd(ss, f32_from_bits(0x00800000u))), f32_from_bits(0x3F802000u));
 }
 
 // A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
@@ -213,8 +221,8 @@ __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const 
 // q_mode: 0 = NVFP4 (q_terms 1 or 2), 1 = FP8 E4M3, 2 = quantization off.
 __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ qhat,
-                                       float* __restrict__ cq, float* __restrict__ sh, const Geom& g, float qmul,
-                                       int q_mode, int q_terms, bool lsq) {
+                                       float* __restrict__ cq, float* __restrict__ sh, float* __restrict__ qstat,
+                                       const Geom& g, float qmul, int q_mode, int q_terms, bool lsq) {
     constexpr int NB = D / 16;
     const auto [b, hk, bh, idx] = prep_thread(g);
     // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
@@ -264,6 +272,31 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     uint32_t out[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = valid ? f16x2(qh[2 * j], qh[2 * j + 1]) : 0u;
+    // §5.7 qn, eq, q2n: one sum of squares per statistic in channel order, handed from block to block
+    // along the row's NB lanes (a row never straddles a warp, and warps are wholly in range: Rp is a
+    // multiple of 16).
+    float s_qn = 0.0f, s_eq = 0.0f, s_q2 = 0.0f;
+    const int lane0 = (int)(threadIdx.x & 31) - cb;
+    for (int blk = 0; blk < NB; ++blk) {
+        if (cb == blk) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float qv = f32h(f16(qh[j]));  // the operand's value (§5.6)
+                s_qn = nrm_add(s_qn, qv);
+                s_eq = nrm_add(s_eq, fsub(x[j], qv));
+                s_q2 = nrm_add(s_q2, valid ? f32h(h_from_bits(qrow[16 * cb + j])) : 0.0f);
+            }
+        }
+        s_qn = __shfl_sync(0xFFFFFFFFu, s_qn, lane0 + blk);
+        s_eq = __shfl_sync(0xFFFFFFFFu, s_eq, lane0 + blk);
+        s_q2 = __shfl_sync(0xFFFFFFFFu, s_q2, lane0 + blk);
+    }
+    if (cb == 0) {
+        float* st = qstat + (bh * g.Rp + r) * 3;
+        st[0] = valid ? nrm_end(s_qn) : 0.0f;
+        st[1] = valid ? nrm_end(s_eq) : 0.0f;
+        st[2] = valid ? nrm_end(s_q2) : 0.0f;
+    }
     uint4* d4 = reinterpret_cast<uint4*>(qhat + (bh * g.Rp + r) * D + 16 * cb);
     d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
     d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -276,6 +309,50 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
         }
         cq[bh * g.Rp + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
         sh[bh * g.Rp + r] = s;
+    }
+}
+
+// §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys s < S of
+// norms in channel order. One thread per (tile, slot): grid (ceil(ntkv*64 / 128), Hkv, B), block 128.
+// K̂ and V̂ are read back from their images, so they are the values pass 1 multiplies; y is recomputed
+// as prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free.
+__device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+                                          const float* __restrict__ kmean, const float* __restrict__ scales,
+                                          const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
+                                          unsigned int* __restrict__ kvstat, const Geom& g, bool interleaved) {
+    const auto [b, hk, bh, idx] = prep_thread(g);
+    const int tile = (int)(idx / TILE), slot = (int)(idx % TILE);
+    const int key = tile * TILE + slot_key(slot, interleaved);
+    const bool valid = idx < (long long)g.ntkv * TILE && key < g.S;
+    float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (valid) {
+        const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
+        const float vg = scales[bh * 2 + 1];
+        const size_t row = (((size_t)b * g.S + key) * g.Hkv + hk) * D;
+        const uint16_t* kimg = khat + (bh * g.ntkv + tile) * TILE * D;
+        const uint16_t* vimg = vhat + (bh * g.ntkv + tile) * TILE * D;
+        float s[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < D; ++c) {
+            const float kv = f32h(h_from_bits(k[row + c])), vv = f32h(h_from_bits(v[row + c]));
+            const float kh = f32h(h_from_bits(kimg[sw128_half(slot, c, TILE)]));
+            const float vh = f32h(h_from_bits(vimg[sw128_half(c, slot, D)]));
+            s[0] = nrm_add(s[0], kh);
+            s[1] = nrm_add(s[1], fsub(fmul(fsub(kv, kmean[bh * D + c]), inv), kh));
+            s[2] = nrm_add(s[2], kv);
+            s[3] = nrm_add(s[3], vv);
+            s[4] = nrm_add(s[4], fsub(vv, fmul(vh, vg)));
+        }
+#pragma unroll
+        for (int i = 0; i < KV_STATS; ++i) st[i] = nrm_end(s[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < KV_STATS; ++i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) st[i] = fmaxf(st[i], __shfl_xor_sync(0xFFFFFFFFu, st[i], o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int i = 0; i < KV_STATS; ++i) atomicMax(&kvstat[bh * KV_STATS + i], __float_as_uint(st[i]));
     }
 }
 

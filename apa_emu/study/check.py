@@ -29,6 +29,7 @@ _RECORD_STAGES = {
     "visits": "pass 1 (visit records: frames, tile sums, hot votes)",
     "hot": "pass 1 (hot-tile masks)",
     "out": "the merge (FP16 output)",
+    "err_bound": "the certificate (err_bound)",
 }
 
 
@@ -109,8 +110,10 @@ def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=SCHEDULES,
         emu = attention(q, k, v, dump.q_offset, cfg, warps=trace, trace=trace, workers=workers, progress=progress)
         for schedule in schedules:
             gpu = apa_gpu.attention(q, k, v, dump.q_offset, cfg, trace=trace, schedule=schedule)
-            # The emulator ran the chosen warps only: elsewhere its output and masks are the kernel's.
-            emu.out[packed[others] // G, packed[others] % G] = gpu.out[packed[others] // G, packed[others] % G]
+            # The emulator ran the chosen warps only: elsewhere its output, bounds and masks are the kernel's.
+            elsewhere = (packed[others] // G, packed[others] % G)
+            emu.out[elsewhere] = gpu.out[elsewhere]
+            emu.err_bound[elsewhere] = gpu.err_bound[elsewhere]
             emu.hot[:, :, rest] = gpu.hot[:, :, rest]
             found = _diverged(emu, gpu, f"{name} (KV head {hk}, {schedule} schedule)", q, k, v, dump.q_offset,
                               cfg, trace, schedule, place=lambda div, hk=hk: _in_dump(div, hk, G))
@@ -127,9 +130,9 @@ def _in_dump(div: dict, hk: int, G: int) -> dict:
     if div["where"] == "hot" and "index (b, hk, warp, word)" in div:
         b, _, w, word = div["index (b, hk, warp, word)"]
         div["index (b, hk, warp, word)"] = (b, hk, w, word)
-    if div["where"] == "out" and "index" in div:
-        row, head, ch = div["index"]
-        div["index"] = (row, hk * G + head, ch)
+    if div["where"] in ("out", "err_bound") and "index" in div:
+        row, head, *ch = div["index"]
+        div["index"] = (row, hk * G + head, *ch)
     return div
 
 

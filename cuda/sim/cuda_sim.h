@@ -114,6 +114,7 @@ inline T __ldcg(const T* p) {
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 // binary32 / binary64 intrinsics: plain IEEE host arithmetic (round to nearest even, no FTZ).
 inline float __fadd_rn(float a, float b) { return a + b; }
@@ -121,6 +122,7 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 inline double __ll2double_rn(long long x) { return (double)x; }
 inline double __ddiv_rn(double a, double b) { return a / b; }
