@@ -32,6 +32,9 @@ def test_scan_builtin_subset(capsys):
     out = run_json(capsys, "scan", "--rows", "500:512", "--heads", "0:3")
     s = out["summary"]
     assert s["pairs"] == 36 and 0.99 < s["pooled_cos"] <= 1.0 and 0 < s["hot_share"] <= 1
+    c = out["certificate"]
+    assert (c["coverage"], c["violations"], c["first_violations"]) == (1.0, 0, [])
+    assert 1 <= c["bound_over_err_min"] <= c["bound_over_err_median"] and 0 < c["bound_over_ref_median"] < np.inf
 
 
 def test_scan_table_and_exact_config(capsys, small_dump):
@@ -43,6 +46,9 @@ def test_scan_table_and_exact_config(capsys, small_dump):
     for name, value in scan.summary.as_dict().items():
         assert float(table[name]) == pytest.approx(value, rel=1e-5), name
     assert scan.summary.pooled_cos != run_pairs(dump, Config(), Pairs.select(dump.n, dump.nh)).summary.pooled_cos
+    assert (table["coverage"], table["violations"]) == ("1", "0")
+    for name in ("bound_over_err_min", "bound_over_err_median", "bound_over_ref_median"):
+        assert float(table[name]) == pytest.approx(scan.certificate[name], rel=1e-5), name
     bins = dict(re.findall(r"^│ (\[[^│]*?\))\s+│\s+(\d+) │$", text, re.M))
     assert {k: int(v) for k, v in bins.items()} == dict(scan.histogram[:-1])
 

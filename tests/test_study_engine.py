@@ -1,12 +1,14 @@
 """The study engines without a GPU (issue 10): the choice of engine and its one-line messages, the
-blocked float64 reference and per-pair sums against apa_emu's oracle, every study command on several
-dumps and on a folder, and the GPU engine's own code (units, hot masks of the chosen warps, the split
-over devices, the memory check, apa check) with NumPy standing in for CuPy and the emulator for the
-kernel. tests/test_gpu_study.py runs the same on the device."""
+blocked float64 reference and per-pair sums against apa_emu's oracle, the certificate a scan carries
+and reports (a planted violation included), every study command on several dumps and on a folder,
+and the GPU engine's own code (units, hot masks of the chosen warps, the split over devices, the
+memory check, apa check) with NumPy standing in for CuPy and the emulator for the kernel.
+tests/test_gpu_study.py runs the same on the device."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from contextlib import contextmanager
@@ -75,6 +77,50 @@ def test_sums_give_the_core_metrics():
     want_cos, want_rel = pair_metrics(out, ref)
     np.testing.assert_allclose(cos, want_cos, rtol=1e-14, atol=0)
     np.testing.assert_allclose(rel, want_rel, rtol=1e-14, atol=0)
+
+
+# -- the certificate ---------------------------------------------------------------------------
+
+
+def test_scan_carries_the_emulators_certificate(dumps):
+    d = dumps["b"]
+    cfg = Config()
+    pairs = scan.Pairs.select(d.n, d.nh, rows=[0, 5, 17, 31])  # every head: both KV heads, several warps
+    s = scan.run_pairs(d, cfg, pairs, backend="cpu")
+    whole = apa_emu.attention(d.q, d.k, d.v, d.q_offset, cfg).err_bound
+    assert s.bound.dtype == np.float32 and s.bound.tobytes() == whole[pairs.rows, pairs.heads].tobytes()
+    chosen = np.zeros(whole.shape, bool)
+    chosen[pairs.rows, pairs.heads] = True
+    assert s.result.err_bound.dtype == np.float32 and s.result.err_bound.shape == (d.n, d.nh)
+    assert s.result.err_bound[chosen].tobytes() == whole[chosen].tobytes()
+    assert np.isnan(s.result.err_bound[~chosen]).all()
+
+    oracle = reference_rows(d.q, d.k, d.v, d.q_offset, pairs.rows, pairs.heads, cfg.softmax_scale(d.hd))
+    err = np.linalg.norm(s.out.astype(np.float64) - oracle, axis=1)
+    bound = whole[pairs.rows, pairs.heads].astype(np.float64)
+    assert np.isfinite(bound).all() and (err > 0).all() and (bound >= err).all()
+    cert = s.certificate
+    assert (cert["coverage"], cert["violations"], cert["first_violations"], cert["infinite"]) == (1.0, 0, [], 0)
+    assert cert["bound_over_err_min"] == pytest.approx((bound / err).min(), rel=1e-9)
+    assert cert["bound_over_err_median"] == pytest.approx(np.median(bound / err), rel=1e-9)
+    assert cert["bound_over_ref_median"] == pytest.approx(np.median(bound / np.linalg.norm(oracle, axis=1)), rel=1e-12)
+
+
+def test_a_bound_below_the_error_is_reported(capsys, monkeypatch, dumps):
+    def attention(*args, **kw):  # row 3 of the first head of each KV head: the dump's pairs (3, 0) and (3, 3)
+        res = apa_emu.attention(*args, **kw)
+        res.err_bound[3, 0] = 0
+        return res
+
+    monkeypatch.setattr(engine, "attention", attention)
+    a = dumps["paths"][0]
+    cert = run_json(capsys, "scan", a, "--rows", "0:4", "--backend", "cpu")["certificate"]
+    assert (cert["violations"], cert["first_violations"]) == (2, [[3, 0], [3, 3]])
+    assert cert["coverage"] == pytest.approx(22 / 24) and cert["bound_over_err_min"] == 0
+    assert main(["scan", a, "--rows", "0:4", "--backend", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"│ violations\s+│\s+2 │", text)
+    assert re.search(r"│ first violations \(row, head\)\s+│\s+\(3, 0\) \(3, 3\) │", text)
 
 
 # -- choosing the engine -----------------------------------------------------------------------
@@ -190,10 +236,19 @@ def test_scan_of_several_dumps_and_a_folder(capsys, dumps):
         assert pooled[key] == pytest.approx(want[key], rel=1e-12), key
     hot = sum(s.hot_tiles for s in scans) / sum(s.active_tiles for s in scans)
     assert pooled["hot_share"] == pytest.approx(hot) and 0 < hot < 1
+    for part, one in zip(many["per_dump"], alone):
+        assert part["certificate"] == one["certificate"] and one["certificate"]["coverage"] == 1.0
+    bound = np.concatenate([s.bound for s in scans]).astype(np.float64)
+    cert = many["pooled"]["certificate"]
+    assert (cert["coverage"], cert["violations"]) == (1.0, 0)
+    assert cert["bound_over_ref_median"] == pytest.approx(np.median(bound / np.linalg.norm(refs, axis=1)), rel=1e-12)
+    assert cert["bound_over_err_min"] == pytest.approx(
+        (bound / np.linalg.norm(outs.astype(np.float64) - refs, axis=1)).min(), rel=1e-9)
     assert run_json(capsys, "scan", dumps["root"], "--backend", "cpu") == many
     assert main(["scan", a, b, "--backend", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "a.apadump" in text and "b.apadump" in text and "pooled" in text
+    assert "certificate err_bound" in text and "bound_over_err_median" in text
 
 
 def test_worst_attribute_sweep_headroom_of_several_dumps(capsys, dumps, tmp_path):
@@ -261,11 +316,11 @@ def test_attribute_every_pair_with_breakdown(dumps, tmp_path):
 
 
 def assert_same_scans(gpu: scan.Scan, cpu: scan.Scan):
-    """The GPU engine's scan is the CPU engine's: outputs and hot masks bitwise, the metrics within
-    1e-12, the products of output and reference within 1e-12 relative (not Σ(out − ref)², which
-    cancels: its metric, the relative L2, is compared)."""
+    """The GPU engine's scan is the CPU engine's: outputs, certificates and hot masks bitwise, the
+    metrics within 1e-12, the products of output and reference within 1e-12 relative (not
+    Σ(out − ref)², which cancels: its metric, the relative L2, is compared)."""
     assert gpu.engine == "gpu" and cpu.engine == "cpu"
-    assert gpu.out.tobytes() == cpu.out.tobytes()
+    assert gpu.out.tobytes() == cpu.out.tobytes() and gpu.bound.tobytes() == cpu.bound.tobytes()
     assert np.array_equal(gpu.result.hot, cpu.result.hot)
     assert (gpu.hot_tiles, gpu.active_tiles) == (cpu.hot_tiles, cpu.active_tiles)
     for x, y in zip(gpu.sums[:3], cpu.sums[:3]):
@@ -314,6 +369,7 @@ def test_units_split_over_devices_give_the_same_results(numpy_gpu, monkeypatch, 
     assert sorted(set(numpy_gpu.used_devices)) == [0, 1]
     for x, y in zip(one, two):
         assert x.out.tobytes() == y.out.tobytes() and np.array_equal(x.result.hot, y.result.hot)
+        assert x.bound.tobytes() == y.bound.tobytes()
         for p, q in zip(x.sums + x.split, y.sums + y.split):
             assert p.tobytes() == q.tobytes()
 

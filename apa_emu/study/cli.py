@@ -194,6 +194,10 @@ def _named(jobs, title: str) -> str:
     return f"{title} {_what(jobs)}"
 
 
+_CERT_TITLE = "certificate err_bound (§9.7)"
+_CERT = ["coverage", "violations", "infinite", "bound_over_err_min", "bound_over_err_median", "bound_over_ref_median"]
+
+
 def cmd_scan(args):
     jobs, cfg, engine, scans = _study(args, lambda jobs, cfg, engine, prog: scan_jobs(jobs, cfg, engine, progress=prog))
     title = f"{_named(jobs, 'apa scan')} (eps={cfg.eps}, {engine.name})"
@@ -201,10 +205,13 @@ def cmd_scan(args):
         pooled = Scan.pooled(scans)
         cols = ["dump", "pairs", "hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_99", "rel_l2_max",
                 "max_abs_err", "nonfinite"]
-        rows = [_scan_row(name, s) for name, s in [*((j.name, s) for j, s in zip(jobs, scans)), ("pooled", pooled)]]
+        named = [*((j.name, s) for j, s in zip(jobs, scans)), ("pooled", pooled)]
+        rows = [_scan_row(name, s) for name, s in named]
+        cert = [[name, *(s.certificate[c] for c in _CERT)] for name, s in named]
         emit(args.json, _payload(jobs, cfg, engine, per_dump=_per_dump(jobs, (s.to_json() for s in scans)),
                                  pooled=pooled.to_json()),
-             [table(title, cols, rows), table("per-pair cosine, pooled", ["bin", "pairs"], pooled.histogram)])
+             [table(title, cols, rows), table(_CERT_TITLE, ["dump", *_CERT], cert),
+              table("per-pair cosine, pooled", ["bin", "pairs"], pooled.histogram)])
         return
     scan = scans[0]
     report = scan.to_json()
@@ -213,10 +220,19 @@ def cmd_scan(args):
     rows += list(report["errors"].items())
     if bad["count"]:
         rows += [("non-finite pairs", f"{bad['count']} of {report['pairs']}"),
-                 ("first non-finite (row, head)", " ".join(f"({r}, {h})" for r, h in bad["first"]))]
+                 ("first non-finite (row, head)", _pair_text(bad["first"]))]
     title += ": cosines over the finite pairs" if bad["count"] else ""
+    cert = report["certificate"]
+    cert_rows = [(c, cert[c]) for c in _CERT]
+    if cert["violations"]:
+        cert_rows.append(("first violations (row, head)", _pair_text(cert["first_violations"])))
     emit(args.json, _payload(jobs, cfg, engine, **report),
-         [table(title, ["metric", "value"], rows), table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
+         [table(title, ["metric", "value"], rows), table(_CERT_TITLE, ["metric", "value"], cert_rows),
+          table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
+
+
+def _pair_text(pairs) -> str:
+    return " ".join(f"({r}, {h})" for r, h in pairs)
 
 
 def _scan_row(name, scan) -> list:
@@ -471,6 +487,17 @@ def _config_epilog() -> str:
 _ACCEPTS = {"eps": "a number (< 0: every tile exact)", "delta": "a number >= 0", "tau": "an integer in 0..8",
             "q_terms": "1 | 2", "scale": "a number > 0 | none (1/sqrt(d))"}
 
+_SCAN_CERTIFICATE = """certificate (docs/numerics.md §9.7), over the finite pairs: err_bound, the engine's upper
+bound of |out − exact| of each pair, against its measured error |out − float64 attention|:
+  coverage               share of the pairs whose bound is at least the error: anything below 1 is a
+                         bug of the bound or of the engine
+  violations             pairs whose bound is below the error (the first few named)
+  infinite               pairs whose bound is +inf: pass 2's FP16 scores could overflow (§8.7)
+  bound_over_err_min     bound / error, least and median over the pairs with an error
+  bound_over_err_median  (at least 1; the larger, the looser the bound)
+  bound_over_ref_median  bound / |float64 attention|, median: the bound as a relative error
+"""
+
 _WORST_COLUMNS = """columns:
   cos, rel_l2       cosine and relative L2 error of the output against float64 attention
   hot_tiles, tiles  tiles of the pair's warp recomputed exactly in pass 2, and all its tiles
@@ -554,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rows", help="query rows: A:B (half-open), a,b,c or one index (default: all)")
         p.add_argument("--heads", help="query heads: A:B (half-open), a,b,c or one index (default: all)")
 
-    p = study("scan", "every (row, head) pair vs float64: cosines, relative L2, hot share", cmd_scan)
+    p = study("scan", "every (row, head) pair vs float64: cosines, relative L2, hot share, the error certificate",
+              cmd_scan, _SCAN_CERTIFICATE)
     eps(p)
     selection(p)
     p = study("worst", "the worst pairs with hot tiles, cold mass and cold-output norm", cmd_worst, _WORST_COLUMNS)

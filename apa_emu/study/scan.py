@@ -16,7 +16,7 @@ from .dump import Dump
 from .engine import CpuEngine, Engine, Unit, run_units, select_engine
 from .fp64 import PairSums, cos_rel
 
-NONFINITE_SHOWN = 5  # non-finite pairs named in a scan's report
+NONFINITE_SHOWN = 5  # non-finite pairs, and pairs whose certificate fails, named in a scan's report
 GOOD_COS = 0.999  # the tables count the pairs below this cosine
 
 _ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
@@ -102,11 +102,13 @@ class Scan:
     """The selected pairs of one run against float64 attention. A pair whose output holds NaN or Inf
     (an FP16 stage overflowed, numerics.md §8) has NaN cosine and relative L2; ``summary`` and the
     histogram's cosine bins cover the finite pairs only (``summary`` is None when there is none).
-    The hot share counts the warps that hold the selected pairs."""
+    The hot share counts the warps that hold the selected pairs. ``bound`` is the engine's
+    certificate of each pair (numerics.md §9.7), ``certificate`` how it fares against ``error``."""
 
     config: Config
     pairs: Pairs
     out: np.ndarray  # [pairs, d] FP16
+    bound: np.ndarray  # [pairs] binary32 err_bound, an upper bound of ‖out − exact‖₂
     sums: PairSums
     finite: np.ndarray  # [pairs] bool: the output is finite
     hot_tiles: int
@@ -128,6 +130,30 @@ class Scan:
     @property
     def ref_norm(self) -> np.ndarray:
         return np.sqrt(self.sums.ref_sq)
+
+    @property
+    def error(self) -> np.ndarray:
+        """‖out − ref‖₂ of each pair against the float64 reference: what ``bound`` bounds."""
+        return np.sqrt(self.sums.diff_sq)
+
+    @cached_property
+    def certificate(self) -> dict:
+        """The certificate over the finite pairs: ``coverage``, the share whose bound is at least the
+        measured error, must be 1 (a violation is a bug of the bound or of the engine; ``violations``
+        counts them and ``first_violations`` names some); ``infinite`` counts the pairs it gives up on
+        (§9.7 step 11); tightness is bound/error (least and median, over pairs with an error) and
+        bound/‖ref‖ (median). No slack for the float64 reference's own rounding: the bound's FP16
+        rounding term alone is some 2⁻¹¹ of the output, far above it."""
+        f = self.finite
+        bound, err, ref = self.bound[f].astype(np.float64), self.error[f], self.ref_norm[f]
+        held = bound >= err  # a NaN bound holds nothing
+        missed = np.flatnonzero(f)[~held]
+        over_err, over_ref = bound[err > 0] / err[err > 0], bound[ref > 0] / ref[ref > 0]
+        stat = lambda fn, x: float(fn(x)) if x.size else np.nan  # noqa: E731
+        return dict(coverage=stat(np.mean, held), violations=int(missed.size),
+                    first_violations=self._pair_list(missed[:NONFINITE_SHOWN]),
+                    infinite=int(np.isinf(bound).sum()), bound_over_err_min=stat(np.min, over_err),
+                    bound_over_err_median=stat(np.median, over_err), bound_over_ref_median=stat(np.median, over_ref))
 
     @cached_property
     def summary(self) -> Summary | None:
@@ -161,15 +187,17 @@ class Scan:
         """Pair indices, worst first: non-finite pairs, then by cosine."""
         return np.argsort(np.where(self.finite, self.cos, -np.inf), kind="stable")
 
+    def _pair_list(self, index) -> list[tuple[int, int]]:
+        return list(zip(self.pairs.rows[index].tolist(), self.pairs.heads[index].tolist()))
+
     def nonfinite_pairs(self) -> list[tuple[int, int]]:
-        bad = ~self.finite
-        return list(zip(self.pairs.rows[bad].tolist(), self.pairs.heads[bad].tolist()))
+        return self._pair_list(~self.finite)
 
     def to_json(self) -> dict:
         bad = self.nonfinite_pairs()
         return dict(pairs=len(self.pairs), summary=None if self.summary is None else self.summary.as_dict(),
-                    errors=self.errors(), nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]),
-                    histogram=self.histogram)
+                    errors=self.errors(), certificate=self.certificate,
+                    nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]), histogram=self.histogram)
 
     @classmethod
     def pooled(cls, scans: list["Scan"]) -> "Scan":
@@ -177,8 +205,9 @@ class Scan:
         cat = lambda xs: np.concatenate(list(xs))  # noqa: E731
         split = None if any(s.split is None for s in scans) else tuple(cat(p) for p in zip(*(s.split for s in scans)))
         return cls(scans[0].config, Pairs(cat(s.pairs.rows for s in scans), cat(s.pairs.heads for s in scans)),
-                   cat(s.out for s in scans), PairSums.concat([s.sums for s in scans]), cat(s.finite for s in scans),
-                   sum(s.hot_tiles for s in scans), sum(s.active_tiles for s in scans), scans[0].engine, split=split)
+                   cat(s.out for s in scans), cat(s.bound for s in scans), PairSums.concat([s.sums for s in scans]),
+                   cat(s.finite for s in scans), sum(s.hot_tiles for s in scans), sum(s.active_tiles for s in scans),
+                   scans[0].engine, split=split)
 
 
 def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None) -> list[list[Scan]]:
@@ -195,12 +224,14 @@ def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
     dump, P = job.dump, len(job.pairs)
     shape = Shape(B=1, n=dump.n, H=dump.nh, Hkv=dump.nkv, S=dump.kv, d=dump.hd, q_offset=dump.q_offset)
     out = np.empty((P, dump.hd), np.float16)
+    bound = np.empty(P, np.float32)
     sums = PairSums(*(np.empty(P) for _ in PairSums._fields))
     split = (np.empty(P), np.empty(P), np.empty(P)) if parts and parts[0][1].split is not None else None
     hot = np.zeros((1, shape.Hkv, shape.nw, shape.W), np.uint32)
     hot_tiles = active = 0
     for unit, run in parts:
         out[unit.index] = run.out
+        bound[unit.index] = run.bound
         for dst, src in zip(sums + (split or ()), run.sums + (run.split or ())):
             dst[unit.index] = src
         hot[0, unit.hk] = run.hot
@@ -208,11 +239,15 @@ def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
         active += int((shape.last_tiles(unit.warps) + 1).sum())
     full = np.full((dump.n, dump.nh, dump.hd), np.nan, np.float16)
     full[job.pairs.rows, job.pairs.heads] = out
+    full_bound = np.full((dump.n, dump.nh), np.nan, np.float32)
+    full_bound[job.pairs.rows, job.pairs.heads] = bound
     traces = [np.concatenate(x) if x else None for x in ([r.visits for _, r in parts if r.visits is not None],
                                                         [r.rows for _, r in parts if r.rows is not None])]
-    result = Result(out=full, hot=hot, active_tiles=active, hot_tiles=hot_tiles, config=cfg, visits=traces[0],
-                    rows=traces[1], meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, engine=engine))
-    return Scan(cfg, job.pairs, out, sums, np.isfinite(out).all(axis=1), hot_tiles, active, engine, result, split)
+    result = Result(out=full, err_bound=full_bound, hot=hot, active_tiles=active, hot_tiles=hot_tiles, config=cfg,
+                    visits=traces[0], rows=traces[1],
+                    meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, engine=engine))
+    return Scan(cfg, job.pairs, out, bound, sums, np.isfinite(out).all(axis=1), hot_tiles, active, engine, result,
+                split)
 
 
 def run_pairs(dump, cfg: Config, pairs: Pairs, *, backend="auto", workers=1, progress=None, trace=False) -> Scan:
