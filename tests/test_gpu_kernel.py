@@ -164,8 +164,9 @@ def test_synthetic_llama_32k():
         i, h = _warp_rows(hk, w, n, G)
         a, g = emu.out[i, h], gpu.out[i, h]
         assert a.tobytes() == g.tobytes(), f"warp {(b, hk, w)}: outputs differ"
+        assert emu.err_bound[i, h].tobytes() == gpu.err_bound[i, h].tobytes(), f"warp {(b, hk, w)}: bounds differ"
         assert np.array_equal(emu.hot[b, hk, w], gpu.hot[b, hk, w]), f"warp {(b, hk, w)}: hot masks differ"
-    emu.hot, emu.out = gpu.hot, gpu.out  # compared above on the emulated warps only
+    emu.hot, emu.out, emu.err_bound = gpu.hot, gpu.out, gpu.err_bound  # compared above on the emulated warps only
     div = first_divergence(emu, gpu)
     assert div is None, describe(div)
 

@@ -23,7 +23,8 @@ class _Buf:
 
 def _pass2_values(**over):
     ptrs = {f: _Buf(0x1000 * (i + 1)) for i, (f, t) in enumerate(PASS2_ARGS.fields) if t is PTR}
-    return dict(ptrs, qmul=np.float32(0.125), all_hot=True) | over
+    cert = dict(sd=8.0, cs=2.0**-9, c2=2.0**-7, fast=0.0, delta=32.0)
+    return dict(ptrs, qmul=np.float32(0.125), all_hot=True, cert=cert) | over
 
 
 def test_pack_places_every_field_at_its_offset():
@@ -33,6 +34,7 @@ def test_pack_places_every_field_at_its_offset():
     p2 = rec["pass2"]
     assert int(p2["q"][0]) == 0x1000 and int(p2["trace_rows"][0]) == 0
     assert p2["qmul"][0] == np.float32(0.125) and int(p2["all_hot"][0]) == 1
+    assert p2["cert"]["cs"][0] == np.float32(2.0**-9) and p2["cert"]["delta"][0] == np.float32(32)
 
 
 @pytest.mark.parametrize("values, what", [
@@ -54,7 +56,7 @@ def test_layout_has_c_alignment_and_names():
 
 
 APA_KERNELS = {"apa_prep_stats": PREP, "apa_prep_finalize": PREP, "apa_prep_q": PREP, "apa_prep_k": PREP,
-               "apa_prep_v": PREP, "apa_prep_kv16": PREP, "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED}
+               "apa_prep_v": PREP, "apa_prep_kv16": PREP, "apa_prep_cert": PREP, "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED}
 PROBE_KERNELS = {"apa_probe_mma_f32": probes.MMA_F32, "apa_probe_mma_f16": probes.MMA_F16,
                  "apa_probe_exp2": probes.EXP2, "apa_probe_codes": probes.CODES, "apa_probe_quant16": probes.QUANT16,
                  "apa_probe_tables": probes.TABLES}
