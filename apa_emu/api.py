@@ -103,6 +103,21 @@ def _check_triples(name: str, triples, shape: Shape) -> None:
                              f"warp < {shape.nw})")
 
 
+def check_window(window, n: int, S: int, q_offset: int) -> int | None:
+    """``window=``: None (full causal) or W ≥ 1 keys, and every query row must keep a key (§6.1)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+        raise ValueError(f"window: expected a positive integer (keys per row) or None, got {window!r}")
+    if window < 1:
+        raise ValueError(f"window={window}: must be >= 1 (the keys a row sees, its own position included)")
+    last = q_offset + n - 1
+    if last - window + 1 > S - 1:
+        raise ValueError(f"window={window}: query row {n - 1} (position {last}) would see no key: its window "
+                         f"starts at key {last - window + 1}, past the last key {S - 1}")
+    return int(window)
+
+
 def _check_count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -181,20 +196,20 @@ class _Runner:
         p, cfg = self.prep, self.cfg
         out = P1Out.new(p.d, self.shape.ntiles)
         if cfg.eps < 0:  # §9.6: every active tile is hot, pass 1 does not run
-            for t in range(wr.last_tile + 1):
+            for t in range(wr.first_tile, wr.last_tile + 1):
                 out.hot_words[t // 32] |= np.uint32(1 << (t % 32))
             return out, tr.visit_trace(0)
-        order = visit_order(wr.last_tile, cfg.tile_order)
+        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
         trace = tr.visit_trace(order.shape[0] if traced else 0)
         ops = P1Operands(self._rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], self._fp4(wr))
-        rows = P1Rows(wr.valid, wr.lim, self._rows(p.cq, wr, 1))
+        rows = P1Rows(wr.valid, wr.lim, wr.lo, self._rows(p.cq, wr, 1))
         pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
         return out, trace
 
     def _pass2(self, wr: WarpRows, tiles: np.ndarray) -> P2Out:
         p = self.prep
         out = P2Out.new(p.d)
-        pass2_warp(self.p2_mode, P2Rows(wr.valid, wr.lim, p.sh[0, wr.rows]), self._rows(p.q16, wr, 0), p.k16[0],
+        pass2_warp(self.p2_mode, P2Rows(wr.valid, wr.lim, wr.lo, p.sh[0, wr.rows]), self._rows(p.q16, wr, 0), p.k16[0],
                    p.v16_t[0], tiles, out)
         return out
 
@@ -223,9 +238,10 @@ class _Runner:
         p2 = self._pass2(wr, tiles)
         out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft)
         p = self.prep
-        bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
+        bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lo, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
                             self._rows(p.qstat, wr, 0), p.kvstat[0], p.qmul, self.cert, self.soft)
-        res = WarpResult(w, out, np.where(wr.valid, bound, F32(0)).astype(F32), wr.last_tile + 1, len(tiles), p1, p2)
+        res = WarpResult(w, out, np.where(wr.valid, bound, F32(0)).astype(F32), wr.last_tile - wr.first_tile + 1,
+                         len(tiles), p1, p2)
         if traced:
             res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
         return res
@@ -246,8 +262,8 @@ def _run_in_worker(w: int) -> WarpResult:
     return _WORKER_RUNNER.run(w)
 
 
-def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace=None,
-              warps=None, workers: int = 1, progress=None) -> Result:
+def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
+              trace=None, warps=None, workers: int = 1, progress=None) -> Result:
     """Emulate the APA kernel bit for bit (numerics.md).
 
     Parameters
@@ -256,6 +272,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     k, v : float16 [S, Hkv, d] or [B, S, Hkv, d]; H must be a multiple of Hkv, d one of 64, 128, 256.
     q_offset : causal position of query row 0 (bottom-right causal: q_offset = S − n).
     config : the numerics toggles (default ``Config()``).
+    window : a sliding window of W keys: query position p sees keys max(0, p − W + 1) .. p (§6.1);
+        None is full causal.
     trace : None, "all" or (b, hk, warp) triples: per-visit and per-row records (§10).
     warps : only compute these (b, hk, warp) triples (a warp's result depends only on its own rows,
         §6.2); the output rows of other warps are NaN.
@@ -269,7 +287,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     cfg = config or Config()
     qb, kb, vb, squeeze = validate(q, k, v, q_offset)
     B, n, H, d = qb.shape
-    shape = Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset))
+    shape = Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset),
+                  window=check_window(window, n, kb.shape[1], int(q_offset)))
     want = tr.TraceRequest.of(trace)
     for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
         _check_triples(name, triples, shape)

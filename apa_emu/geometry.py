@@ -29,6 +29,8 @@ class WarpRows(NamedTuple):
     rows: np.ndarray  # int64 [16], padding rows clamped to R − 1
     valid: np.ndarray  # bool [16]
     lim: np.ndarray  # int64 [16], §6.1 (a padding row holds the last real row's limit, as the kernel)
+    lo: np.ndarray  # int64 [16], the first visible key (§6.1; 0 without a window)
+    first_tile: int  # F_w (§6.3)
     last_tile: int  # T_w (§6.3)
 
 
@@ -43,6 +45,7 @@ class Shape:
     S: int
     d: int
     q_offset: int
+    window: int | None = None  # sliding window of W keys (§6.1); None: full causal
 
     @property
     def G(self) -> int:
@@ -78,6 +81,18 @@ class Shape:
         r = np.asarray(r, dtype=object)
         return np.minimum(self.q_offset + r // self.G, self.S - 1).astype(np.int64)
 
+    def lo(self, r) -> np.ndarray:
+        """§6.1: lo_r = max(0, p_r − W + 1) with a window, else 0."""
+        r = np.asarray(r, dtype=object)
+        if self.window is None:
+            return np.zeros(r.shape, np.int64)
+        return np.maximum(self.q_offset + r // self.G - self.window + 1, 0).astype(np.int64)
+
+    def first_tiles(self, w=None) -> np.ndarray:
+        """F_w of warps ``w`` (default: every warp) (§6.3): the first row's first key, in tiles."""
+        w = np.arange(self.nw) if w is None else np.asarray(w)
+        return (self.lo(ROWS * w) // TILE).astype(np.int64)
+
     def last_tiles(self, w=None) -> np.ndarray:
         """T_w of warps ``w`` (default: every warp) (§6.3)."""
         w = np.arange(self.nw) if w is None else np.asarray(w)
@@ -85,14 +100,15 @@ class Shape:
         return np.minimum(self.lim(rmax) // TILE, self.ntiles - 1).astype(np.int64)
 
     def active_tiles(self) -> int:
-        """Active tiles of the whole call, Σ over (b, hk, w) of T_w + 1 (§6.3)."""
-        return self.B * self.Hkv * int((self.last_tiles() + 1).sum())
+        """Active tiles of the whole call, Σ over (b, hk, w) of T_w − F_w + 1 (§6.3)."""
+        return self.B * self.Hkv * int((self.last_tiles() - self.first_tiles() + 1).sum())
 
     def warp_rows(self, w: int) -> WarpRows:
         r = np.arange(w * ROWS, (w + 1) * ROWS)
         valid = r < self.R
         rows = np.minimum(r, self.R - 1)
-        return WarpRows(w, rows, valid, self.lim(rows), int(self.last_tiles(w)))
+        return WarpRows(w, rows, valid, self.lim(rows), self.lo(rows), int(self.first_tiles(w)),
+                        int(self.last_tiles(w)))
 
 
 def warp_of(row: int, head: int, G: int) -> tuple[int, int]:
@@ -100,8 +116,10 @@ def warp_of(row: int, head: int, G: int) -> tuple[int, int]:
     return head // G, (row * G + head % G) // ROWS
 
 
-def visit_order(last_tile: int, tile_order: str) -> np.ndarray:
-    """Pass 1's visiting order of tiles 0 .. T_w (§6.4)."""
+def visit_order(first_tile: int, last_tile: int, tile_order: str) -> np.ndarray:
+    """Pass 1's visiting order of tiles F_w .. T_w (§6.4): diagonal is tile 0 first when it is
+    active, then the diagonal backwards; ascending is F_w .. T_w."""
     if tile_order == "diagonal":
-        return np.array([0, *range(last_tile, 0, -1)], dtype=np.int64)
-    return np.arange(last_tile + 1, dtype=np.int64)
+        sink = [0] if first_tile == 0 else []
+        return np.array([*sink, *range(last_tile, max(first_tile, 1) - 1, -1)], dtype=np.int64)
+    return np.arange(first_tile, last_tile + 1, dtype=np.int64)

@@ -55,14 +55,15 @@ def score_bounds(cq, qstat, kvstat, qmul, nt, nh, k: CertConsts):
     return d1, d2
 
 
-def certificate(m1, l1, ad1, m2, l2, out, lim, nh, cq, qstat, kvstat, qmul, k: CertConsts, soft: bool) -> np.ndarray:
-    """§9.7 for arrays of rows: the bound of ‖out − O‖₂. out [R, d] is the FP16 output, lim [R] the
-    key limits (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [5] =
+def certificate(m1, l1, ad1, m2, l2, out, lo, lim, nh, cq, qstat, kvstat, qmul, k: CertConsts,
+                soft: bool) -> np.ndarray:
+    """§9.7 for arrays of rows: the bound of ‖out − O‖₂. out [R, d] is the FP16 output, lo and lim [R]
+    the rows' first and last keys (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [5] =
     (kn, ek, k2n, vn, ev) (§5.7)."""
     X = lambda x: _expm1_up(x, soft)  # noqa: E731
     q2n, k2n, vn, ev = qstat[:, 2], F32(kvstat[2]), F32(kvstat[3]), F32(kvstat[4])
-    lim = np.asarray(lim, np.int64)
-    nt, nv, nh = (lim // 64 + 1).astype(F32), (lim + 1).astype(F32), F32(nh)
+    lo, lim = np.asarray(lo, np.int64), np.asarray(lim, np.int64)
+    nt, nv, nh = (lim // 64 - lo // 64 + 1).astype(F32), (lim - lo + 1).astype(F32), F32(nh)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         big, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
         lc, lh = w1 * l1, w2 * l2  # step 1

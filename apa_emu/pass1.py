@@ -56,6 +56,7 @@ class P1Operands(NamedTuple):
 class P1Rows(NamedTuple):
     valid: np.ndarray  # bool [16] (§6.2)
     lim: np.ndarray  # int64 [16] (§6.1)
+    lo: np.ndarray  # int64 [16] (§6.1)
     cq: np.ndarray  # f32 [16] (§5.3)
 
 
@@ -128,7 +129,7 @@ def p1_frame(s, k0, rows, slots, tau, m, gm, c):
             gmax = NEG_INF
             for i in range(GROUP):
                 j = slots[g * GROUP + i]
-                if k0 + j <= rows.lim[r] and s[r, j] > gmax:
+                if rows.lo[r] <= k0 + j <= rows.lim[r] and s[r, j] > gmax:
                     gmax = s[r, j]
             gm[r, g] = gmax
             if gmax > rowmax:
@@ -172,9 +173,10 @@ def p1_pprime(y, cq, bias, soft, quant_p):
 @njit(cache=True)
 def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
     """§7.4–7.5 for every valid row: P scales per group, then P̂ = e2m1(P')·dec(kb) (quantized) or
-    P' ⊗ dec(kb), and each group's a_g (§7.8). Padding rows and invisible keys give 0."""
+    P' ⊗ dec(kb), and each group's a_g (§7.8). Padding rows, rows with no visible key yet (c = −inf,
+    §7.4) and invisible keys give 0."""
     for r in range(ROWS):
-        if not rows.valid[r]:
+        if not rows.valid[r] or c[r] == NEG_INF:
             phat[r, :] = 0
             pcodes[r, :] = 0
             pscales[r, :] = 0
@@ -187,8 +189,8 @@ def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
             for i in range(GROUP):
                 slot = g * GROUP + i
                 j = mode.slots[slot]
-                pp = p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p) if k0 + j <= rows.lim[r] \
-                    else np.float32(0)
+                visible = rows.lo[r] <= k0 + j <= rows.lim[r]
+                pp = p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p) if visible else np.float32(0)
                 if mode.quant_p:
                     code = e2m1_code(pp)
                     pcodes[r, slot] = code

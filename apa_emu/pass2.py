@@ -23,6 +23,7 @@ QUADS = 4  # t0 = 0..3: the per-lane partial row sums of the fragment layout (§
 class P2Rows(NamedTuple):
     valid: np.ndarray  # bool [16] (§6.2)
     lim: np.ndarray  # int64 [16] (§6.1)
+    lo: np.ndarray  # int64 [16] (§6.1)
     sh: np.ndarray  # f32 [16]: the row shift q·k̄ ⊗ qmul (§5.3)
 
 
@@ -48,7 +49,7 @@ class P2Out(NamedTuple):
 @njit(cache=True)
 def p2_scores(mode, q16, k16, t, zero_s, s, rows, x):
     """§8.1: S = q·Kᵀ of tile t in FP16 accumulation (binary32 under `exact`), then
-    x = (float(S) ⊗ qmul) ⊖ sh, −inf past the row's key limit."""
+    x = (float(S) ⊗ qmul) ⊖ sh, −inf outside the row's keys lo..lim."""
     k0 = t * TILE
     if mode.exact:
         mma_exact(q16, k16[k0:k0 + TILE], zero_s, s)
@@ -56,7 +57,7 @@ def p2_scores(mode, q16, k16, t, zero_s, s, rows, x):
         mma_sm90_f16(q16, k16[k0:k0 + TILE], zero_s, s)
     for r in range(ROWS):
         for j in range(TILE):
-            x[r, j] = s[r, j] * mode.qmul - rows.sh[r] if k0 + j <= rows.lim[r] else NEG_INF
+            x[r, j] = s[r, j] * mode.qmul - rows.sh[r] if rows.lo[r] <= k0 + j <= rows.lim[r] else NEG_INF
 
 
 @njit(cache=True)

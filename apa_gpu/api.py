@@ -61,7 +61,7 @@ def _prepare(q, k, v, q_offset, cfg):
     return shape, squeeze, qd, kd, vd
 
 
-def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace=None,
+def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None, trace=None,
               schedule: str | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
@@ -71,6 +71,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, trace
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
+    if window is not None:
+        raise NotImplementedError("apa_gpu: window= is not in the kernel yet (issue 13); apa_emu.attention has it")
     shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
     plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"))
     plan.run(qd, kd, vd)
