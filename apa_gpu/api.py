@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 from apa_emu import trace as tr
-from apa_emu.api import Result, validate
+from apa_emu.api import Result, check_window, validate
 from apa_emu.config import Config
 from apa_emu.geometry import TILE, Shape
 from apa_emu.prep import slot_keys
@@ -66,14 +67,14 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
-    arrays. ``trace``: None, "all" or (b, hk, warp) triples, as the emulator. ``schedule``:
+    arrays. ``window``: a sliding window of W keys, as the emulator. ``trace``: None, "all" or (b, hk, warp)
+    triples, as the emulator. ``schedule``:
     "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
-    if window is not None:
-        raise NotImplementedError("apa_gpu: window= is not in the kernel yet (issue 13); apa_emu.attention has it")
     shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
     plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"))
     plan.run(qd, kd, vd)
     be = device.backend()

@@ -92,18 +92,19 @@ def repro_dir() -> Path:
     return Path(os.environ.get("APA_GPU_REPRO_DIR", "/tmp/apa_gpu_repro"))
 
 
-def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "", schedule: str = "separate") -> Path:
-    """Write an .npz reproducer named by a hash of its content (the launch schedule included: each
-    is its own code path); returns its path."""
+def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "", schedule: str = "separate",
+                    window: int | None = None) -> Path:
+    """Write an .npz reproducer named by a hash of its content (the launch schedule and the window
+    included: each is its own code path); returns its path."""
     h = hashlib.sha256()
     for x in (q, k, v):
         h.update(np.ascontiguousarray(x).tobytes())
     cfg_json = config_to_json(cfg)
-    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}".encode())
+    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}|{window}".encode())
     path = repro_dir() / f"apa_gpu_{h.hexdigest()[:16]}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, q=q, k=k, v=v, q_offset=np.int64(q_offset), config=cfg_json,
-                        trace=json.dumps(trace), note=note, schedule=schedule)
+                        trace=json.dumps(trace), note=note, schedule=schedule, window=json.dumps(window))
     return path
 
 
@@ -113,7 +114,8 @@ def load_reproducer(path):
     if isinstance(trace, list):
         trace = [tuple(t) for t in trace]
     return dict(q=z["q"], k=z["k"], v=z["v"], q_offset=int(z["q_offset"]), config=config_from_json(str(z["config"])),
-                trace=trace, schedule=str(z["schedule"]) if "schedule" in z else "separate")
+                trace=trace, schedule=str(z["schedule"]) if "schedule" in z else "separate",
+                window=json.loads(str(z["window"])) if "window" in z else None)
 
 
 def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:

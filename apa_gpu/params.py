@@ -76,7 +76,8 @@ class Struct:
 
 
 # cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
-GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32)])
+GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32),
+                                   ("window", I32)])
 
 # cuda/apa.cu PrepParams: the seven prep kernels (§5).
 PREP = Struct("PrepParams", [

@@ -76,7 +76,7 @@ class Plan:
         self.bound = xp.empty((B, s.n, s.H), np.float32)
         self.counters = xp.zeros(4, np.uint32)
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
-        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset)
+        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0)
         self._trace_setup(xp)
 
     # -- trace ----------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class Plan:
         if self.want is None:
             return
         # visits per warp: its active tiles (§6.3), none when ε < 0 (pass 1 does not run, §9.6)
-        nvis = np.zeros(s.nw, np.int64) if self.all_hot else s.last_tiles() + 1
+        nvis = np.zeros(s.nw, np.int64) if self.all_hot else s.last_tiles() - s.first_tiles() + 1
         vb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
         rb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
         nv = nr = 0

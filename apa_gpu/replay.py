@@ -27,11 +27,11 @@ def main(argv=None) -> int:
     r = load_reproducer(args.file)
     q, k, v, off, cfg, trace = r["q"], r["k"], r["v"], r["q_offset"], r["config"], r["trace"]
     schedule = args.schedule or r["schedule"]
-    print(f"q {q.shape} k {k.shape} q_offset {off}\nconfig {cfg}\nschedule {schedule}")
+    print(f"q {q.shape} k {k.shape} q_offset {off} window {r['window']}\nconfig {cfg}\nschedule {schedule}")
     prep = prep_divergence(q, k, v, off, cfg)
     print("prep: " + (prep or "bitwise equal"))
-    emu = apa_emu.attention(q, k, v, off, cfg, trace=trace, workers=args.workers)
-    gpu = attention(q, k, v, off, cfg, trace=trace, schedule=schedule)
+    emu = apa_emu.attention(q, k, v, off, cfg, window=r["window"], trace=trace, workers=args.workers)
+    gpu = attention(q, k, v, off, cfg, window=r["window"], trace=trace, schedule=schedule)
     div = first_divergence(emu, gpu)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1

@@ -168,7 +168,7 @@ APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_
                 P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
-                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset));
+                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
                   APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
                   APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),

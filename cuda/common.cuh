@@ -37,11 +37,12 @@ constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek,
 // The basic sizes of one call, as every kernel's parameter struct carries them (apa.cu).
 struct GeomSizes {
     int n, H, Hkv, S, q_offset;
+    int window;  // sliding window of W keys (§6.1); 0: full causal
 };
 
 // Runtime geometry of one call (numerics.md §6.1-6.3), derived from the basic sizes.
 struct Geom {
-    int n, H, Hkv, G, S, q_offset;
+    int n, H, Hkv, G, S, q_offset, window;
     int R;      // packed rows per (b, hk): n * G
     int nw;     // warps per (b, hk): ceil(R / 16)
     int Rp;     // padded rows: 16 * nw
@@ -49,7 +50,7 @@ struct Geom {
     int W;      // hot-mask words per warp: ceil(ntkv / 32)
 
     __device__ __forceinline__ explicit Geom(const GeomSizes& s)
-        : n(s.n), H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), S(s.S), q_offset(s.q_offset) {
+        : n(s.n), H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), S(s.S), q_offset(s.q_offset), window(s.window) {
         R = n * G;
         nw = (R + 15) / 16;
         Rp = 16 * nw;
@@ -61,6 +62,14 @@ struct Geom {
         long long p = (long long)q_offset + r / G;
         return p < (long long)(S - 1) ? (int)p : S - 1;
     }
+    // First visible key of packed row r (§6.1): max(0, p - W + 1) with a window, else 0. 64-bit safe.
+    __device__ __forceinline__ int lo(int r) const {
+        if (window == 0) return 0;
+        const long long p = (long long)q_offset + r / G - window + 1;
+        return p > 0 ? (int)p : 0;
+    }
+    // First active tile F_w of warp w (§6.3): its first row's first key, in tiles.
+    __device__ __forceinline__ int first_tile(int w) const { return lo(16 * w) / TILE; }
     // Last active tile T_w of warp w (§6.3): min(p_wmax div 64, ntkv - 1).
     __device__ __forceinline__ int last_tile(int w) const {
         int rmax = min(16 * w + 15, R - 1);
@@ -79,9 +88,12 @@ struct WarpRows {
     int r_lo, r_hi;
     bool v_lo, v_hi;
     int lim_lo, lim_hi;
-    int Tw;     // the warp's last active tile, -1 for a warp past the rows
-    int wlast;  // the CTA's last real warp
-    int Tmax;   // the CTA's last active tile
+    int lo_lo, lo_hi;  // first visible keys (§6.1)
+    int Fw, Tw;  // the warp's first and last active tiles; Tw = -1 for a warp past the rows
+    int wlast;   // the CTA's last real warp
+    int Fmin;    // the CTA's first active tile (its first warp's)
+    int Tmax;    // the CTA's last active tile
+    int steps;   // the CTA's visiting order has Tmax - Fmin + 1 steps (§6.4)
 };
 
 __device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
@@ -99,17 +111,25 @@ __device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
     x.v_hi = x.r_hi < geo.R;
     x.lim_lo = geo.lim(x.v_lo ? x.r_lo : geo.R - 1);
     x.lim_hi = geo.lim(x.v_hi ? x.r_hi : geo.R - 1);
+    x.lo_lo = geo.lo(x.v_lo ? x.r_lo : geo.R - 1);
+    x.lo_hi = geo.lo(x.v_hi ? x.r_hi : geo.R - 1);
+    x.Fw = x.warp_active ? geo.first_tile(x.w) : 0;
     x.Tw = x.warp_active ? geo.last_tile(x.w) : -1;
     x.wlast = min(qb * WARPS + WARPS - 1, geo.nw - 1);
+    x.Fmin = geo.first_tile(qb * WARPS);
     x.Tmax = geo.last_tile(x.wlast);
+    x.steps = x.Tmax - x.Fmin + 1;
     return x;
 }
 
-// The tile of step i of the CTA's visiting order (§6.4) over tiles 0 .. Tmax: diagonal (0, Tmax,
-// Tmax - 1, ..., 1) or ascending. A warp skips the steps past its own T_w, which leaves it exactly
-// its own order.
-__device__ __forceinline__ int visit_tile(int i, int Tmax, bool ascending) {
-    return (ascending || i == 0) ? i : Tmax + 1 - i;
+// The tile of step i of the CTA's visiting order (§6.4) over tiles F .. Tmax: diagonal (tile 0 first
+// when F = 0, then Tmax, Tmax - 1, ... down to max(F, 1)) or ascending (F .. Tmax). A warp skips the
+// steps outside its own F_w .. T_w, which leaves it exactly its own order: the CTA's first warp has
+// the smallest F.
+__device__ __forceinline__ int visit_tile(int i, int F, int Tmax, bool ascending) {
+    if (ascending) return F + i;
+    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;
+    return Tmax - i;
 }
 
 // Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are

@@ -32,12 +32,12 @@ struct CertConsts {
 };
 
 // §9.7 inputs of one row besides its merge weights: pass 1's m1, l1, ad1 and pass 2's l2; the row's
-// c_q and §5.7 statistics; the head's kn, ek, k2n, vn, ev; the key limit, the warp's hot tiles, and
-// whether every channel of the FP16 output is finite.
+// c_q and §5.7 statistics; the head's kn, ek, k2n, vn, ev; the row's first and last keys, the warp's
+// hot tiles, and whether every channel of the FP16 output is finite.
 struct CertRow {
     float m1, l1, ad1, l2, cq, qn, eq, q2n;
     float kn, ek, k2n, vn, ev;
-    int lim, nh;
+    int lo, lim, nh;
     bool finite;
 };
 
@@ -51,7 +51,7 @@ __device__ __forceinline__ float merge_bound(const MergeWeights& mw, const CertR
                                              float qmul) {
     const float one = 1.0f, p16 = f32_from_bits(0x37800000u), p20 = f32_from_bits(0x35800000u);
     const float G = f32_from_bits(0x39800000u);  // 2⁻¹²
-    const float nt = (float)(r.lim / 64 + 1), nv = (float)(r.lim + 1), nh = (float)r.nh;
+    const float nt = (float)(r.lim / 64 - r.lo / 64 + 1), nv = (float)(r.lim - r.lo + 1), nh = (float)r.nh;
     const float lc = fmul(mw.w1, r.l1), lh = fmul(mw.w2, r.l2);  // step 1
     const float wa = (r.ad1 > 0.0f) ? exp2x(fsub(r.m1, mw.M)) : 0.0f;
     const float ad = fmul(wa, r.ad1);

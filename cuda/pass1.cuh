@@ -140,8 +140,8 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
     if (a.pow2) {
         const float cu = ceilf(u);
         scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
-        mass = fminf(scale, mass_cap);
-        return fsub(Lc, cu);
+        mass = c == neg_inf() ? 0.0f : fminf(scale, mass_cap);
+        return c == neg_inf() ? neg_inf() : fsub(Lc, cu);
     }
     const float e = exp2x<exp2s_core>(fsub(u, fl));  // u - fl in [0, 1)
     int mi = (int)ceilf(fmul(8.0f, fsub(e, 1.0f)));
@@ -150,7 +150,11 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 #endif
     scale = ue4m3_dec((uint32_t)(8 * ((int)fl + 7) + mi));
     mass = fminf(scale, mass_cap);
-    return fsub(Lc, fadd(fl, __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
+    const float bias = fsub(Lc, fadd(fl, __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
+    // A row none of whose keys is visible yet (c = -inf, only with a window): P̂ = 0 and a_g = 0
+    // (§7.4). Selected after the shuffle, which every lane must reach.
+    if (c == neg_inf()) mass = 0.0f;
+    return c == neg_inf() ? neg_inf() : bias;
 }
 
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
@@ -285,10 +289,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
     auto load = [&](int i) {  // the tile images of prep, keys >= S zero
-        const size_t base = (size_t)visit_tile(i, wr.Tmax, a.ascending) * TILE * D;
+        const size_t base = (size_t)visit_tile(i, wr.Fmin, wr.Tmax, a.ascending) * TILE * D;
         ring.load_images(i, khat_bh + base, vhat_bh + base);
     };
-    if (wr.wl < P1_STAGES && wr.wl <= wr.Tmax) load(wr.wl);
+    if (wr.wl < P1_STAGES && wr.wl < wr.steps) load(wr.wl);
     // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
     cp_async_wait<0>();
     fence_proxy_async();
@@ -313,22 +317,22 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
     issue_scores(0);
-    for (int i = 0; i <= wr.Tmax; ++i) {
-        const int t = visit_tile(i, wr.Tmax, a.ascending);
+    for (int i = 0; i < wr.steps; ++i) {
+        const int t = visit_tile(i, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
-        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES <= wr.Tmax) load(i - 1 + P1_STAGES);
+        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES < wr.steps) load(i - 1 + P1_STAGES);
         const WgOperand Vop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
-        if (wr.warp_active && t <= wr.Tw) {
-            // Mask: key > lim_r -> -inf (only tiles that reach past a row's limit).
-            if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi)) {
+        if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {
+            // Mask: keys outside lo_r .. lim_r -> -inf (only tiles that reach past a row's limits).
+            if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int key = t * TILE + slot_key(8 * nt + 2 * wr.t0 + e, inter);
-                        if (key > wr.lim_lo) s[nt][e] = neg_inf();
-                        if (key > wr.lim_hi) s[nt][2 + e] = neg_inf();
+                        if (key > wr.lim_lo || key < wr.lo_lo) s[nt][e] = neg_inf();
+                        if (key > wr.lim_hi || key < wr.lo_hi) s[nt][2 + e] = neg_inf();
                     }
                 }
             }
@@ -385,7 +389,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
         wg_commit();
-        if (i < wr.Tmax) issue_scores(i + 1);
+        if (i + 1 < wr.steps) issue_scores(i + 1);
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 

@@ -63,7 +63,7 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
 
 // One hot tile of one warp (§8.1-8.5).
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
-                                        const uint16_t* Vs, int t, int lim_lo, int lim_hi, float sh_lo, float sh_hi,
+                                        const uint16_t* Vs, int t, const WarpRows& wr, float sh_lo, float sh_hi,
                                         float qmul) {
     constexpr int NKS = D / 16, NDN = D / 8;
     const int lane = threadIdx.x & 31, t0 = lane & 3;
@@ -98,8 +98,8 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             const int key = t * TILE + 8 * nt + 2 * t0 + e;
             const float slo = f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0]));
             const float shi = f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1]));
-            x[nt][e] = key > lim_lo ? neg_inf() : fsub(fmul(slo, qmul), sh_lo);
-            x[nt][2 + e] = key > lim_hi ? neg_inf() : fsub(fmul(shi, qmul), sh_hi);
+            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : fsub(fmul(slo, qmul), sh_lo);
+            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : fsub(fmul(shi, qmul), sh_hi);
         }
     }
     // §8.2 frame.
@@ -283,7 +283,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, a.cq[bh * geo.Rp + r],
                           qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
                           __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
-                          half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
+                          half ? wr.lo_hi : wr.lo_lo, half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
         const float eb = merge_bound(mw[half], row, a.cert, a.qmul);
         a.bound[((size_t)b * geo.n + r / geo.G) * geo.H + hk * geo.G + r % geo.G] = eb;
 #if APA_TRACE
@@ -322,9 +322,9 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     if (wr.warp_active) {
         for (int j = wr.lane; j <= (wr.Tw >> 5); j += 32) {
             uint32_t word;
-            if (a.all_hot) {  // ε < 0 (§9.6): every active tile is hot
-                const int nb = min(32, wr.Tw + 1 - 32 * j);
-                word = nb >= 32 ? 0xFFFFFFFFu : ((1u << nb) - 1u);
+            if (a.all_hot) {  // ε < 0 (§9.6): every active tile F_w .. T_w is hot
+                const int first = max(wr.Fw - 32 * j, 0), last = min(wr.Tw - 32 * j, 31);  // bits of word j
+                word = first > last ? 0u : (0xFFFFFFFFu >> (31 - last)) & (0xFFFFFFFFu << first);
                 hot_w[j] = word;
             } else {
                 word = __ldcg(hot_w + j);
@@ -376,7 +376,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         ring.wait(i);
         const uint16_t* stage = ring.stage(i);
         if (wr.warp_active && cur <= wr.Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
-            p2_tile(st, qa, stage, stage + TILE * D, cur, wr.lim_lo, wr.lim_hi, sh_lo, sh_hi, a.qmul);
+            p2_tile(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul);
         if (ring.release(i) && ahead <= wr.Tmax) load(i + P2_STAGES, ahead);
         ahead = p2_next_tile(U, ahead + 1, wr.Tmax);
         cur = p2_next_tile(U, cur + 1, wr.Tmax);

@@ -34,15 +34,15 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, pri
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def check_bitwise(q, k, v, q_offset, cfg, trace="all"):
-    emu = apa_emu.attention(q, k, v, q_offset, cfg, trace=trace)
-    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, trace=trace)
+def check_bitwise(q, k, v, q_offset, cfg, trace="all", window=None):
+    emu = apa_emu.attention(q, k, v, q_offset, cfg, window=window, trace=trace)
+    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, window=window, trace=trace)
     div = first_divergence(emu, gpu)
     if div is not None:
-        path = save_reproducer(q, k, v, q_offset, cfg, trace)
+        path = save_reproducer(q, k, v, q_offset, cfg, trace, window=window)
         raise AssertionError(
             f"kernel and emulator differ: {describe(div)}\n"
-            f"shapes q {q.shape} k {k.shape}, q_offset {q_offset}, {cfg}\n"
+            f"shapes q {q.shape} k {k.shape}, q_offset {q_offset}, window {window}, {cfg}\n"
             f"reproducer: python -m apa_gpu.replay {path}"
         )
     return emu, gpu
@@ -60,6 +60,20 @@ def test_kernel_matches_emulator(problem, cfg):
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     check_bitwise(q, k, v, q_offset, cfg)
+
+
+@SETTINGS
+@given(problems(), configs(), st.integers(0, 2**20))
+@example(  # warps whose first visited tile leaves their other rows blind (c = −inf, §7.4); two CTAs
+    (dict(seed=4, B=1, n=200, Hkv=1, G=1, d=64, S=700, structure="sink", batched=False), 500), Config(eps=0.3),
+    199)
+def test_window_matches_emulator(problem, cfg, raw):
+    """A sliding window (§6.1, §6.3, §6.4) of any width that leaves every row a key (raw picks it
+    from 1 + max(0, last position − S + 1) .. S + 70): bitwise, trace too."""
+    shape, q_offset = problem
+    q, k, v = make_inputs(**shape)
+    least = max(1, q_offset + shape["n"] - shape["S"] + 1)
+    check_bitwise(q, k, v, q_offset, cfg, window=least + raw % (shape["S"] + 71 - least))
 
 
 @SETTINGS

@@ -11,7 +11,7 @@ from apa_gpu import device, probes
 from apa_gpu.build import PROBE, Variant
 from apa_gpu.params import F32, FUSED, GEOM_SIZES, I32, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct, name_hash
 
-SIZES = dict(n=5, H=6, Hkv=2, S=300, q_offset=295)
+SIZES = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0)
 
 
 class _Buf:

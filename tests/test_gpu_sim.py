@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     from apa_gpu.compare import first_divergence, describe
     from apa_emu.config import Config
 
-    def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0):
+    def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None):
         rng = np.random.default_rng(seed)
         lead = () if batch is None else (batch,)
         q = rng.standard_normal(lead + (n, H, d))
@@ -45,10 +45,10 @@ SCRIPT = textwrap.dedent(
         if sink:
             k[..., 0, :, :] += 6 * q.mean(axis=(-3, -2))[..., None, :]
         q, k, v = ((x * scale).astype(np.float16) for x in (q, k, v))
-        e = apa_emu.attention(q, k, v, off, cfg, trace="all")
-        g = apa_gpu.attention(q, k, v, off, cfg, trace="all", schedule=schedule)
+        e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all")
+        g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule)
         div = first_divergence(e, g)
-        tag = f"seed={seed} d={d} {cfg} {schedule}"
+        tag = f"seed={seed} d={d} window={window} {cfg} {schedule}"
         assert div is None, tag + ": " + describe(div)
         rows = g.rows
         big = np.maximum(rows["m1"], rows["m2"])
@@ -72,6 +72,11 @@ SCRIPT = textwrap.dedent(
     run(10, 21, 3, 1, 150, 64, 129, Config(eps=1.0), sink=True)
     run(11, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True)
     run(12, 16, 2, 1, 140, 64, 124, Config(eps=0.05), sink=True, scale=2.0**-12)
+    # Sliding windows (§6.1): warps that start past tile 0, rows blind to their first visited tile,
+    # every tile exact (the ε < 0 hot words start at F_w), the ascending order.
+    run(13, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200)
+    run(14, 70, 3, 1, 700, 64, 640, Config(eps=-1.0), window=100, schedule="fused")
+    run(15, 40, 2, 1, 500, 128, 460, Config(eps=0.01, tile_order="ascending"), window=64)
     """
 )
 
@@ -82,7 +87,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 12, r.stdout
+    assert len(lines) == 15, r.stdout
     hot = [tuple(int(x) for x in line.split(" hot")[0].rsplit(" ", 3)[1::2]) for line in lines]
     assert any(0 < h < a for h, a in hot), "no problem mixed hot and cold tiles"
     assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) > 100, "too few rows merged both parts"
