@@ -9,6 +9,7 @@ warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to
 
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
+    python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _time(fn, reps, warmup=2):
     return float(np.median(times))
 
 
-def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate"):
+def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
     import cupy as cp
 
     from apa_emu.geometry import Shape
@@ -58,7 +59,7 @@ def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate"):
     qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
     n, H, d = q.shape
     S, Hkv, _ = k.shape
-    plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset), cfg, schedule=schedule)
+    plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset, window=window), cfg, schedule=schedule)
     t_prep = _time(lambda: plan.prep(qd, kd, vd), reps)
     plan.prep(qd, kd, vd)
     t_attn = _time(lambda: plan.attend(qd), reps)
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--window", type=int, help="also time a sliding window of this many keys (numerics.md §6.1)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
+    windows = []
     for S in args.keys:
         t0 = time.time()
         dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
@@ -146,6 +149,16 @@ def main(argv=None) -> int:
                 f"{fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} |")
         lines.append(line)
         print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]} -->", flush=True)
+        if args.window:
+            w_prep, w_exact, w_share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, window=args.window)
+            _, w_fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps, window=args.window)
+            windows.append(f"| {S} | {args.window} | {w_share:.4f} | {w_prep:.3f} | {w_exact:.3f} | {w_fast:.3f} | "
+                           f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} |")
+            print(windows[-1], flush=True)
+    if windows:
+        lines += ["", "Sliding window against full causal, the same inputs (separate launches; attn after prep):", "",
+                  "| keys | window | hot share | prep | attn exact | attn fast | causal exact | causal fast "
+                  "| exact ratio | fast ratio |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *windows]
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0

@@ -63,10 +63,11 @@ MUTANTS = [
            "qhat, qc, qs = operand(qsum, cfg), [c1, c2], [s1, s2]", "qhat, qc, qs = qsum, [c1, c2], [s1, s2]"),
     Mutant("M11", "exp2s C6 + 1 ulp", "apa_emu/fpmath.py", "0x39212C6C]", "0x39212C6D]", FMT + ALG),
     Mutant("M12", "diagonal order reversed", "apa_emu/geometry.py",
-           "return np.array([0, *range(last_tile, 0, -1)], dtype=np.int64)",
-           "return np.arange(last_tile + 1, dtype=np.int64)"),
+           "return np.array([*sink, *range(last_tile, max(first_tile, 1) - 1, -1)], dtype=np.int64)",
+           "return np.arange(first_tile, last_tile + 1, dtype=np.int64)"),
     Mutant("M13", "GQA row position off by one", "apa_emu/geometry.py",
-           "self.q_offset + r // self.G", "self.q_offset + (r + 1) // self.G"),
+           "return np.minimum(self.q_offset + r // self.G, self.S - 1)",
+           "return np.minimum(self.q_offset + (r + 1) // self.G, self.S - 1)"),
     Mutant("M14", "pack_rows head map g·Hkv + hk", "apa_emu/prep.py",
            "q.reshape(n, Hkv, G, d).transpose(1, 0, 2, 3)", "q.reshape(n, G, Hkv, d).transpose(2, 0, 1, 3)"),
     Mutant("M15", "pass-2 FP16 O rescaled by a, not f16(a)", "apa_emu/pass2.py", "ah = f16r(a)", "ah = a"),
@@ -99,6 +100,11 @@ MUTANTS = [
            SIM),
     Mutant("K7", "kernel pass 1: ad not rescaled when the frame moves", "cuda/pass1.cuh",
            "        ad = fmul(ad, alpha);\n", "", SIM),
+    Mutant("M23", "window: the first visible key one late in pass 2", "apa_emu/pass2.py",
+           "if rows.lo[r] <= k0 + j <= rows.lim[r] else NEG_INF", "if rows.lo[r] < k0 + j <= rows.lim[r] else NEG_INF",
+           ("tests/test_window.py",)),
+    Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
+           "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
 
 
