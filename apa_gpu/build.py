@@ -153,8 +153,11 @@ def sources_hash() -> str:
 
 
 # ---- CPU simulator (cuda/sim) --------------------------------------------------------------
+# -fno-gnu-unique: __shared__ arrays are function-local statics there (cuda_sim.h), and g++ would
+# merge those of inline functions across every library of the process, so that the d = 64 and the
+# d = 128 simulators loaded side by side shared (and overran) one array.
 SIM_FLAGS = ("-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread",
-             "-Wno-unknown-pragmas", "-DAPA_SIM")
+             "-fno-gnu-unique", "-Wno-unknown-pragmas", "-DAPA_SIM")
 
 
 def build_sim(variant=Variant()) -> Path:

@@ -194,6 +194,7 @@ class Layout(NamedTuple):
     visit_bytes: int  # trace records, checked against apa_emu.trace
     row_bytes: int
     kv_stats: int  # per-head certificate statistics, checked against apa_emu.prep (§5.7)
+    cert_threads: int  # block of apa_prep_cert: one thread per slot of a tile
 
 
 @dataclass(frozen=True)

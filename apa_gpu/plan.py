@@ -132,7 +132,7 @@ class Plan:
         self._launch("apa_prep_v", (cdiv(s.ntiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_kv16", (cdiv(s.ntiles * TILE * (s.d // 8), PREP_THREADS), *bhd),
                      PREP_THREADS, p)
-        self._launch("apa_prep_cert", (cdiv(s.ntiles * TILE, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_cert", (s.ntiles, *bhd), lay.cert_threads, p)
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
     prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(128) apa_prep_cert(const __grid_constant__ PrepParams p) {
+extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
     prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, Geom(p.sz), p.interleaved != 0);
 }
 
@@ -165,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
 // and the trace record sizes (checked against apa_emu.trace's dtypes).
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
-                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS);
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window));

@@ -313,37 +313,67 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 }
 
 // §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys s < S of
-// norms in channel order. One thread per (tile, slot): grid (ceil(ntkv*64 / 128), Hkv, B), block 128.
-// K̂ and V̂ are read back from their images, so they are the values pass 1 multiplies; y is recomputed
-// as prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free.
+// norms in channel order. One block of CERT_THREADS = 64 threads per tile, thread j the tile's slot j
+// (key 64t + slot_key(j)): grid (ntkv, Hkv, B). The tile's K rows and K̂ image, then its V rows and
+// V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
+// threads' row reads hit distinct banks); each thread then sums its key's channels in order. K̂ and V̂
+// are read back from their images, so they are the values pass 1 multiplies; y is recomputed as
+// prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free.
+constexpr int CERT_THREADS = TILE;
+constexpr int CERT_ROW = D + 2;  // halves per staged row
 __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
                                           unsigned int* __restrict__ kvstat, const Geom& g, bool interleaved) {
-    const auto [b, hk, bh, idx] = prep_thread(g);
-    const int tile = (int)(idx / TILE), slot = (int)(idx % TILE);
-    const int key = tile * TILE + slot_key(slot, interleaved);
-    const bool valid = idx < (long long)g.ntkv * TILE && key < g.S;
+    __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
+    __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
+    uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
+    uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
+    const int b = blockIdx.z, hk = blockIdx.y, tile = blockIdx.x, j = threadIdx.x;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
+    const bool valid = key < g.S;
     float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (valid) {
-        const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
-        const float vg = scales[bh * 2 + 1];
-        const size_t row = (((size_t)b * g.S + key) * g.Hkv + hk) * D;
-        const uint16_t* kimg = khat + (bh * g.ntkv + tile) * TILE * D;
-        const uint16_t* vimg = vhat + (bh * g.ntkv + tile) * TILE * D;
-        float s[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int c = 0; c < D; ++c) {
-            const float kv = f32h(h_from_bits(k[row + c])), vv = f32h(h_from_bits(v[row + c]));
-            const float kh = f32h(h_from_bits(kimg[sw128_half(slot, c, TILE)]));
-            const float vh = f32h(h_from_bits(vimg[sw128_half(c, slot, D)]));
-            s[0] = nrm_add(s[0], kh);
-            s[1] = nrm_add(s[1], fsub(fmul(fsub(kv, kmean[bh * D + c]), inv), kh));
-            s[2] = nrm_add(s[2], kv);
-            s[3] = nrm_add(s[3], vv);
-            s[4] = nrm_add(s[4], fsub(vv, fmul(vh, vg)));
+    for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
+        const uint16_t* src = phase ? v : k;
+        const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv + tile) * TILE * D;
+        __syncthreads();  // the previous phase's reads are done
+        for (int e = j; e < TILE * D / 2; e += CERT_THREADS) {  // word e: key e / (D/2), channels 2 (e % (D/2))
+            const int r = e / (D / 2), c = 2 * (e % (D / 2));
+            const int s_key = tile * TILE + r;
+            const uint32_t w = s_key < g.S
+                ? *reinterpret_cast<const uint32_t*>(src + (((size_t)b * g.S + s_key) * g.Hkv + hk) * D + c) : 0u;
+            rows_w[(r * CERT_ROW + c) / 2] = w;
+            img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];
         }
-#pragma unroll
-        for (int i = 0; i < KV_STATS; ++i) st[i] = nrm_end(s[i]);
+        __syncthreads();
+        if (!valid) continue;
+        const uint16_t* row = rows + kk * CERT_ROW;
+        if (phase == 0) {
+            const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+            for (int c = 0; c < D; ++c) {
+                const float kv = f32h(h_from_bits(row[c]));
+                const float kh = f32h(h_from_bits(img[sw128_half(j, c, TILE)]));
+                s0 = nrm_add(s0, kh);
+                s1 = nrm_add(s1, fsub(fmul(fsub(kv, kmean[bh * D + c]), inv), kh));
+                s2 = nrm_add(s2, kv);
+            }
+            st[0] = nrm_end(s0);
+            st[1] = nrm_end(s1);
+            st[2] = nrm_end(s2);
+        } else {
+            const float vg = scales[bh * 2 + 1];
+            float s3 = 0.0f, s4 = 0.0f;
+            for (int c = 0; c < D; ++c) {
+                const float vv = f32h(h_from_bits(row[c]));
+                const float vh = f32h(h_from_bits(img[sw128_half(c, j, D)]));
+                s3 = nrm_add(s3, vv);
+                s4 = nrm_add(s4, fsub(vv, fmul(vh, vg)));
+            }
+            st[3] = nrm_end(s3);
+            st[4] = nrm_end(s4);
+        }
     }
 #pragma unroll
     for (int i = 0; i < KV_STATS; ++i) {

@@ -68,12 +68,12 @@ def test_kernel_matches_emulator(problem, cfg):
     (dict(seed=4, B=1, n=200, Hkv=1, G=1, d=64, S=700, structure="sink", batched=False), 500), Config(eps=0.3),
     199)
 def test_window_matches_emulator(problem, cfg, raw):
-    """A sliding window (§6.1, §6.3, §6.4) of any width that leaves every row a key (raw picks it
-    from 1 + max(0, last position − S + 1) .. S + 70): bitwise, trace too."""
+    """A sliding window (§6.1, §6.3, §6.4) of any width that leaves every row a key (raw picks it from
+    the least such width, q_offset + n − S + 1 or 1, up to S + 70): bitwise, trace too."""
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     least = max(1, q_offset + shape["n"] - shape["S"] + 1)
-    check_bitwise(q, k, v, q_offset, cfg, window=least + raw % (shape["S"] + 71 - least))
+    check_bitwise(q, k, v, q_offset, cfg, window=least + raw % max(shape["S"] + 71 - least, 1))
 
 
 @SETTINGS
