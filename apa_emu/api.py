@@ -151,7 +151,7 @@ class WarpResult:
     w: int
     out: np.ndarray  # [16, d] f16
     err_bound: np.ndarray  # [16] f32 (§9.7)
-    active: int  # T_w + 1 (§6.3)
+    active: int  # T_w − F_w + 1 (§6.3)
     nhot: int
     p1: P1Out
     p2: P2Out

@@ -1,8 +1,11 @@
-"""Benchmark the APA kernel against torch SDPA on the GPU (issue 4's table).
+"""Benchmark the APA kernel against cuDNN's fused attention called directly (cudnn-frontend
+``pygraph.sdpa``, the yardstick) and torch SDPA on the GPU.
 
 For each key count: prep time and attention time (pass 1 + pass 2 + merge) of the bit-exact
-(``exp2=soft``) and fast (``exp2=fast``) builds, the hot share, and torch SDPA with the flash and
-cuDNN backends (lower-right causal, GQA) on the same inputs, all in one run. Inputs are the
+(``exp2=soft``) and fast (``exp2=fast``) builds, the hot share, cuDNN called directly with its
+TFLOP/s, the ratios to it with prep included and to the (1 + hot share) × cuDNN floor, and torch SDPA
+with the flash and cuDNN backends (lower-right causal, GQA) on the same inputs, all in one run. cuDNN
+direct needs the ``nvidia-cudnn-frontend`` and ``apache-tvm-ffi`` wheels (``--no-cudnn`` skips it). Inputs are the
 synthetic Llama-3.2-3B-shaped problems of ``apa_emu.study.synth`` (real-like: sink, RoPE locality,
 diffuse heads, channel offsets, outliers). Times are medians of ``--reps`` CUDA-event timings after
 warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to ``--out`` if given).
@@ -107,6 +110,62 @@ def bench_sdpa(q, k, v, reps):
     return res
 
 
+def bench_cudnn(q, k, v, scale, reps, window=None):
+    """cuDNN's fused attention called directly through cudnn-frontend (`pygraph.sdpa`): bottom-right
+    causal, GQA, FP16 in and out, binary32 softmax; the yardstick of issue 15. Returns (ms, detail);
+    its output is checked against torch SDPA (cuDNN backend) on the same inputs before timing."""
+    import cudnn
+    import cupy as cp
+    import torch
+
+    n, H, d = q.shape
+    S, Hkv, _ = k.shape
+    # (1, S, H, D) storage seen as the logical (1, H, S, D) the graph takes
+    qg, kg, vg = (torch.from_numpy(np.ascontiguousarray(x)).cuda()[None].transpose(1, 2) for x in (q, k, v))
+    og = torch.empty(1, n, H, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    qt, kt, vt = (graph.tensor_like(x) for x in (qg, kg, vg))
+    kw = dict(name="sdpa", q=qt, k=kt, v=vt, generate_stats=False, attn_scale=float(scale),
+              diagonal_band_right_bound=0, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT)
+    if window is not None:
+        kw["diagonal_band_left_bound"] = window
+    o, _ = graph.sdpa(**kw)
+    o.set_output(True).set_dim(og.size()).set_stride(og.stride())
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    pack = {qt: qg, kt: kg, vt: vg, o: og}
+
+    def run():
+        graph.execute(pack, workspace, handle=handle)
+
+    run()
+    torch.cuda.synchronize()
+    detail = f"cudnn-frontend {cudnn.__version__}, backend {cudnn.backend_version()}"
+    if window is None:  # the same semantics as torch's lower-right causal SDPA: compare
+        from torch.nn.attention.bias import causal_lower_right
+
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg.repeat_interleave(H // Hkv, 1), vg.repeat_interleave(H // Hkv, 1),
+            attn_mask=causal_lower_right(n, S), scale=float(scale))
+        detail += f", max |cuDNN - SDPA| {float((og.float() - ref.float()).abs().max()):.1e}"
+    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        return _time(run, reps), detail
+
+
+def causal_flops(n, S, H, d, q_offset, window=None) -> float:
+    """Exact attention's FLOPs (two matmuls, 2·d each per visible (row, key) pair) of one batch entry."""
+    pos = q_offset + np.arange(n, dtype=np.float64)
+    seen = np.minimum(pos, S - 1) + 1 - (0 if window is None else np.maximum(pos - window + 1, 0))
+    return 4.0 * d * H * float(seen.sum())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2048)
@@ -115,6 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--no-cudnn", action="store_true", help="skip cuDNN called directly (cudnn-frontend)")
     ap.add_argument("--window", type=int, help="also time a sliding window of this many keys (numerics.md §6.1)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -126,8 +186,9 @@ def main(argv=None) -> int:
         "attn = pass 1 + pass 2 + merge after prep; 'sep' three launches, 'fused' one persistent launch.",
         "",
         "| keys | hot share | prep | attn exact sep | attn exact fused | attn fast sep | attn fast fused "
-        "| SDPA flash | SDPA cuDNN | exact/flash | fast/flash |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| SDPA flash | SDPA cuDNN | exact/flash | fast/flash | cuDNN direct | cuDNN TFLOP/s | exact+prep / cuDNN "
+        "| fast+prep / cuDNN | APA fast+prep TFLOP/s | fast+prep / ((1+h)·cuDNN) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     windows = []
@@ -145,20 +206,29 @@ def main(argv=None) -> int:
             sd = bench_sdpa(q, k, v, args.reps)
         fl = sd["flash"][0]
         best_exact, best_fast = min(exact, exact_f), min(fast, fast_f)
+        scale = exact_cfg.softmax_scale(q.shape[2])
+        cu, cu_detail = (float("nan"), "skipped") if args.no_cudnn else bench_cudnn(q, k, v, scale, args.reps)
+        tf = causal_flops(q.shape[0], S, q.shape[1], q.shape[2], dump.q_offset) / 1e9  # GFLOP: / ms = TFLOP/s
         line = (f"| {S} | {share:.4f} | {prep:.3f} | {exact:.3f} | {exact_f:.3f} | {fast:.3f} | {fast_f:.3f} | "
-                f"{fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} |")
+                f"{fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} | {cu:.3f} | "
+                f"{tf / cu:.0f} | {(prep + best_exact) / cu:.2f} | {(prep + best_fast) / cu:.2f} | "
+                f"{tf / (prep + best_fast):.0f} | {(prep + best_fast) / ((1 + share) * cu):.2f} |")
         lines.append(line)
-        print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]} -->", flush=True)
+        print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]}; {cu_detail} -->",
+              flush=True)
         if args.window:
             w_prep, w_exact, w_share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, window=args.window)
             _, w_fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps, window=args.window)
+            w_cu = float("nan") if args.no_cudnn else bench_cudnn(q, k, v, scale, args.reps, window=args.window)[0]
             windows.append(f"| {S} | {args.window} | {w_share:.4f} | {w_prep:.3f} | {w_exact:.3f} | {w_fast:.3f} | "
-                           f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} |")
+                           f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
+                           f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
     if windows:
         lines += ["", "Sliding window against full causal, the same inputs (separate launches; attn after prep):", "",
                   "| keys | window | hot share | prep | attn exact | attn fast | causal exact | causal fast "
-                  "| exact ratio | fast ratio |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *windows]
+                  "| exact ratio | fast ratio | cuDNN window | cuDNN causal | cuDNN ratio | fast+prep / cuDNN window |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *windows]
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0
