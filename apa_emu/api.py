@@ -308,7 +308,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     scales = {}
     for b, hk in groups:
         heads = slice(hk * G, (hk + 1) * G)
-        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, cfg)
+        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, cfg,
+                       first_key=int(shape.lo(0)))
         scales[(b, hk)] = (float(prep.kg[0]), float(prep.vg[0]))
         todo = [w for w in range(nw) if chosen is None or (b, hk, w) in chosen]
         runner = _Runner(shape, b, hk, prep, cfg, want)

@@ -167,13 +167,15 @@ def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_nam
     return _fold(codes, scales)
 
 
-def prep_k(k16: np.ndarray, S: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict):
-    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek [Hkv]."""
+def prep_k(k16: np.ndarray, S: int, first_key: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict):
+    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek [Hkv] over the
+    keys first_key .. S − 1."""
     xk = k16 - kmean[:, None]
     xk *= (F32(1) / kg)[:, None, None]
     xk[:, S:] = 0
     khat = _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
-    return khat, nrm(khat[:, :S]).max(axis=1), nrm(xk[:, :S] - khat[:, :S]).max(axis=1)
+    seen = slice(first_key, S)
+    return khat, nrm(khat[:, seen]).max(axis=1), nrm(xk[:, seen] - khat[:, seen]).max(axis=1)
 
 
 def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
@@ -183,14 +185,15 @@ def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndar
     return _pass1_operand(xv_t, cfg.quant_v, cfg, fp4, "v_codes_t", "v_scales_t")
 
 
-def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str) -> np.ndarray:
-    """§5.7's vn, ev [Hkv, 2] from the FP16 values v [S, Hkv, d] and V̂ᵀ in slot order."""
+def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int) -> np.ndarray:
+    """§5.7's vn, ev [Hkv, 2] over the keys first_key .. S − 1, from the FP16 values v [S, Hkv, d] and V̂ᵀ
+    in slot order."""
     S, Hkv, d = v.shape
     Hk, T = vhat_t.shape[:2]
     vhat = np.empty_like(vhat_t)
     vhat[..., slot_keys(p_groups)] = vhat_t  # back to key order
-    vh = (vhat.transpose(0, 1, 3, 2).reshape(Hk, T * TILE, d)[:, :S] * vg[:, None, None])  # exact: vg is 2^k
-    v32 = v.astype(F32).transpose(1, 0, 2)
+    vh = (vhat.transpose(0, 1, 3, 2).reshape(Hk, T * TILE, d)[:, first_key:S] * vg[:, None, None])  # exact: 2^k
+    v32 = v[first_key:].astype(F32).transpose(1, 0, 2)
     return np.stack([nrm(v32).max(axis=1), nrm(v32 - vh).max(axis=1)], axis=-1)
 
 
@@ -201,8 +204,10 @@ def prep_bytes(S: int, d: int) -> int:
     return cdiv(S, TILE) * TILE * d * (4 * 4 + 1)
 
 
-def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config) -> Prepared:
-    """Prep (§5) for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated."""
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config, first_key: int = 0) -> Prepared:
+    """Prep (§5) for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated.
+    ``first_key``: lo₀, the first key any row sees (§5.5; 0 without a window): the key statistics of
+    §5.7 start there. (The images below its tile are formed here all the same: nothing reads them.)"""
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     T = cdiv(S, TILE)
@@ -218,10 +223,10 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
     qhat, cq, sh, qstat = prep_q(q16, kmean, kg, qmul, cfg, fp4)
-    khat, kn, ek = prep_k(k16, S, kmean, kg, cfg, fp4)
+    khat, kn, ek = prep_k(k16, S, first_key, kmean, kg, cfg, fp4)
     vhat_t = prep_v(v16_t, vg, cfg, fp4)
-    kvstat = np.concatenate([np.stack([kn, ek, nrm(k16[:, :S]).max(axis=1)], axis=-1),
-                             v_stats(v, vhat_t, vg, cfg.p_groups)], axis=-1).astype(F32)
+    kvstat = np.concatenate([np.stack([kn, ek, nrm(k16[:, first_key:S]).max(axis=1)], axis=-1),
+                             v_stats(v, vhat_t, vg, cfg.p_groups, first_key)], axis=-1).astype(F32)
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
         q16=q16, qhat=qhat, cq=cq, sh=sh, khat=khat, vhat_t=vhat_t,

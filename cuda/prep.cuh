@@ -121,6 +121,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * TILE * NB) return;
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
+    if (row / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
     uint16_t* img = khat + (bh * g.ntkv + row / TILE) * TILE * D;
     const int slot = row % TILE;
@@ -158,6 +159,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     const int c = (int)(idx % D);
     const int grp = (int)((idx / D) % 4);
     const int t = (int)(idx / (4 * D));
+    if (t < g.first_tile(0)) return;  // below every window (§5.5): never read
     const float inv = fdiv(1.0f, scales[bh * 2 + 1]);  // exact power of two
     float x[16];
     bool any = false;
@@ -205,6 +207,7 @@ __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const 
     const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * TILE * CH) return;
     const int key = (int)(idx / CH), c = (int)(idx % CH);
+    if (key / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = kc;
     if (key < g.S) {
         const size_t src = (((size_t)b * g.S + key) * g.Hkv + hk) * D + 8 * c;
@@ -312,7 +315,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     }
 }
 
-// §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys s < S of
+// §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys lo₀ ≤ s < S of
 // norms in channel order. One block of CERT_THREADS = 64 threads per tile, thread j the tile's slot j
 // (key 64t + slot_key(j)): grid (ntkv, Hkv, B). The tile's K rows and K̂ image, then its V rows and
 // V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
@@ -330,9 +333,10 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
     uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
     const int b = blockIdx.z, hk = blockIdx.y, tile = blockIdx.x, j = threadIdx.x;
+    if (tile < g.first_tile(0)) return;  // the whole block: below every window (§5.5)
     const size_t bh = (size_t)b * g.Hkv + hk;
     const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
-    const bool valid = key < g.S;
+    const bool valid = key < g.S && key >= g.lo(0);  // the keys some row sees (§5.7)
     float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
         const uint16_t* src = phase ? v : k;
