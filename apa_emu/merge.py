@@ -13,20 +13,24 @@ from . import fpmath
 from .constants import CertConsts
 
 F32 = np.float32
-P16, P17, P20, P25 = F32(2.0**-16), F32(2.0**-17), F32(2.0**-20), F32(2.0**-25)
+P16, P20, P25 = F32(2.0**-16), F32(2.0**-20), F32(2.0**-25)
 K_E, G, ONE, SIXTEEN = F32(1 + 2.0**-20), F32(2.0**-12), F32(1), F32(16)
 DEN_LO, DEN_HI, FIN, K_B = F32(1 - 2.0**-16), F32(1 + 2.0**-16), F32(2.0**-11 + 2.0**-20), F32(1 + 2.0**-12)
 V_FLOOR, FLUSHED, F16_MAX = F32(2.0**-14), F32(2.0**-100), F32(65504)
 
 
+def _weight(sum_, m, big, soft: bool):
+    """(sum > 0) ? exp2(m ⊖ M) : 0 per row (§9.2, §9.7 step 1). exp2 of (−inf) − M is 0 either way; the
+    guard also covers m = −inf with M = −inf."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(sum_ > 0, fpmath.exp2_np(np.where(sum_ > 0, m - big, F32(0)), soft), F32(0)).astype(F32)
+
+
 def merge_weights(m1, l1, m2, l2, soft: bool):
     """§9.1–9.3 for arrays of rows: M, w1, w2 and the denominator (w1 ⊗ l1) ⊕ (w2 ⊗ l2)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        big = np.maximum(m1, m2)  # §9.1
-        # exp2 of (−inf) − M is 0 either way; the l > 0 guards also cover m = −inf with M = −inf
-        w1 = np.where(l1 > 0, fpmath.exp2_np(np.where(l1 > 0, m1 - big, F32(0)), soft), F32(0)).astype(F32)
-        w2 = np.where(l2 > 0, fpmath.exp2_np(np.where(l2 > 0, m2 - big, F32(0)), soft), F32(0)).astype(F32)  # §9.2
-        return big, w1, w2, w1 * l1 + w2 * l2
+    big = np.maximum(m1, m2)  # §9.1
+    w1, w2 = _weight(l1, m1, big, soft), _weight(l2, m2, big, soft)  # §9.2
+    return big, w1, w2, w1 * l1 + w2 * l2
 
 
 def merge(m1, l1, part, m2, l2, o2, soft: bool) -> np.ndarray:
@@ -67,8 +71,7 @@ def certificate(m1, l1, ad1, m2, l2, out, lo, lim, nh, cq, qstat, kvstat, qmul, 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         big, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
         lc, lh = w1 * l1, w2 * l2  # step 1
-        wa = np.where(ad1 > 0, fpmath.exp2_np(np.where(ad1 > 0, m1 - big, F32(0)), soft), F32(0)).astype(F32)
-        ad = wa * ad1
+        ad = _weight(ad1, m1, big, soft) * ad1
         a1, a2, b2 = X((nt + ONE) * P16), X(nh * k.c2), X((nh + ONE) * P16)  # step 2
         lcu, lhu, e_d = lc * (ONE + a1), lh * (ONE + b2), a1 * lc + b2 * lh
         d1, d2 = score_bounds(cq, qstat, kvstat, qmul, nt, nh, k)  # steps 3-4
