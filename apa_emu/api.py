@@ -11,7 +11,7 @@ import numpy as np
 
 from . import trace as tr
 from .config import Config
-from .geometry import HEAD_DIMS, ROWS, Shape, WarpRows, visit_order
+from .geometry import HEAD_DIMS, ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import certificate, merge
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
@@ -173,7 +173,8 @@ class _Runner:
         self.soft = cfg.exp2 == "soft"
         self.consts = cfg.pass1_consts()
         self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
-                           slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf))
+                           slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf),
+                           cfg.hot_test == "output")
         self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul)
         self.cert = cfg.cert_consts(prep.d)
 
@@ -201,7 +202,8 @@ class _Runner:
             return out, tr.visit_trace(0)
         order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
         trace = tr.visit_trace(order.shape[0] if traced else 0)
-        ops = P1Operands(self._rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], self._fp4(wr))
+        nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
+        ops = P1Operands(self._rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
         rows = P1Rows(wr.valid, wr.lim, wr.lo, self._rows(p.cq, wr, 1))
         pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
         return out, trace

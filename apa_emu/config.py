@@ -19,6 +19,7 @@ CHOICES = {
     "mma": ("sm90", "sm120", "exact"),
     "p_groups": ("consecutive", "interleaved"),
     "exp2": ("soft", "fast"),
+    "hot_test": ("mass", "output"),
 }
 
 
@@ -41,7 +42,9 @@ class Config:
     ``mma="exact"``). ``q_terms`` 1 or 2 NVFP4 terms; ``q_format`` "fp8" quantizes Q as E4M3.
     ``eps`` < 0 makes every tile exact; a very large ``eps`` gives pure FP4. ``delta`` = 0
     reproduces APA 0.2.0's coupled cold frame; ``tau`` = 0 is the exact running maximum.
-    ``scale`` is the softmax scale (None: 1/sqrt(d) rounded as binary32).
+    ``scale`` is the softmax scale (None: 1/sqrt(d) rounded as binary32). ``hot_test`` "mass"
+    compares a tile's share of the softmax sum with ``eps``, "output" its share of the value-norm
+    weighted sum (§7.7).
     """
 
     eps: float = 0.005
@@ -61,6 +64,7 @@ class Config:
     p_groups: str = "consecutive"
     exp2: str = "soft"
     scale: float | None = None
+    hot_test: str = "mass"
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():

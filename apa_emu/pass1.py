@@ -50,6 +50,7 @@ class P1Operands(NamedTuple):
     qhat: np.ndarray  # [16, d] f32, the warp's Q̂ rows (0 for padding rows)
     khat: np.ndarray  # [T*64, d] f32
     vhat_t: np.ndarray  # [T, d, 64] f32, keys in slot order
+    nu_t: np.ndarray  # [T, 64] f32, §5.8's ν in slot order (output test; else [1, 64] unread)
     fp4: FP4Operands
 
 
@@ -67,17 +68,19 @@ class P1Mode(NamedTuple):
     quant_p: bool  # P' quantized (§7.5)
     slots: np.ndarray  # int64 [64]: key of each slot (§7.3)
     vk: np.float32  # §7.10: vg ⊗ Kf
+    output: bool  # the output hot test (§7.7)
 
 
 class P1State(NamedTuple):
     """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold scale sum ad,
-    cold output o."""
+    cold output o, and the output test's value-weighted sum lv (+0 under the mass test)."""
 
     m: np.ndarray
     la: np.ndarray
     lc: np.ndarray
     ad: np.ndarray
     o: np.ndarray
+    lv: np.ndarray
 
 
 class P1Out(NamedTuple):
@@ -201,20 +204,34 @@ def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
 
 
 @njit(cache=True)
-def p1_row_sums(model, phat, pcodes, pscales, tl2):
-    """§7.6: tl = chain of P̂ against ones from C = +0 (`sm120`: E2M1 ones with scale 1)."""
+def p1_row_sums(model, phat, pcodes, pscales, nu, output, tl2):
+    """§7.6: tl = chain of P̂ against ones from C = +0 (`sm120`: E2M1 ones with scale 1) in column 0;
+    under the output test tv = chain of P̂ against the tile's ν in column 1 (`exact`: §3.3; else the
+    `sm90` chain, ν being FP16)."""
     ones = np.ones((1, TILE), F32)
+    tl = np.zeros((ROWS, 1), F32)
     p1_mma(model, phat, pcodes, pscales, ones, np.full((1, TILE), ONE_CODE, np.uint8),
-           np.full((1, GROUPS), ONE_SCALE, np.uint8), np.zeros((ROWS, 1), F32), tl2)
+           np.full((1, GROUPS), ONE_SCALE, np.uint8), np.zeros((ROWS, 1), F32), tl)
+    tl2[:, 0] = tl[:, 0]
+    tl2[:, 1] = 0
+    if output:
+        tv = np.zeros((ROWS, 1), F32)
+        if model == EXACT:
+            mma_exact(phat, nu.reshape(1, TILE), np.zeros((ROWS, 1), F32), tv)
+        else:
+            mma_sm90_f32(phat, nu.reshape(1, TILE), np.zeros((ROWS, 1), F32), tv)
+        tl2[:, 1] = tv[:, 0]
 
 
 @njit(cache=True)
-def p1_hot_test(tl2, valid, st, c, eps, soft):
-    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c)."""
+def p1_hot_test(tl2, valid, st, c, eps, soft, output):
+    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c); the output test
+    compares tv with lv instead."""
     for r in range(ROWS):
         if valid[r]:
             a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], soft)
-            if tl2[r, 0] > eps * (st.la[r] * a + tl2[r, 0]):
+            x, run = (tl2[r, 1], st.lv[r]) if output else (tl2[r, 0], st.la[r])
+            if x > eps * (run * a + x):
                 return True
     return False
 
@@ -230,14 +247,15 @@ def p1_update(x, valid, st, soft):
             st.lc[r] = st.lc[r] * alpha
             st.la[r] = st.la[r] * alpha
             st.ad[r] = st.ad[r] * alpha
+            st.lv[r] = st.lv[r] * alpha
             st.m[r] = x[r]
 
 
 @njit(cache=True)
 def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
-    """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone and sets its
-    hot bit; a cold tile moves it to c, adds its sum to la and lc, its groups' a_g to ad and its
-    P̂·V̂ to o."""
+    """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone (tv to lv) and
+    sets its hot bit; a cold tile moves it to c, adds its sum to la and lc (tv to lv), its groups'
+    a_g to ad and its P̂·V̂ to o."""
     if hot:
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
@@ -247,12 +265,16 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
             if rows.valid[r]:
                 b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.soft)
                 st.la[r] = st.la[r] + tl2[r, 0] * b
+                if mode.output:
+                    st.lv[r] = st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
         p1_update(c, rows.valid, st, mode.soft)
         for r in range(ROWS):
             if rows.valid[r]:
                 st.la[r] = st.la[r] + tl2[r, 0]
+                if mode.output:
+                    st.lv[r] = st.lv[r] + tl2[r, 1]
                 st.lc[r] = st.lc[r] + tl2[r, 0]
                 st.ad[r] = st.ad[r] + (((amass[r, 0] + amass[r, 1]) + amass[r, 2]) + amass[r, 3])
         fp4 = ops.fp4
@@ -272,6 +294,8 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
             trace.tl[visit, r] = tl2[r, 0]
             trace.la[visit, r] = st.la[r]
             trace.lc[visit, r] = st.lc[r]
+            trace.tv[visit, r] = tl2[r, 1]
+            trace.lv[visit, r] = st.lv[r]
 
 
 @njit(cache=True)
@@ -290,14 +314,14 @@ def p1_export(st, valid, vk, Kf, out):
 def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
     """Pass 1 of one warp (§7) over ``order`` (§6.4). Writes ``out`` and, if ``traced``, ``trace``."""
     st = P1State(np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
-                 np.zeros((ROWS, ops.qhat.shape[1]), F32))
+                 np.zeros((ROWS, ops.qhat.shape[1]), F32), np.zeros(ROWS, F32))
     s = np.zeros((ROWS, TILE), F32)
     zero_s = np.zeros((ROWS, TILE), F32)
     phat = np.zeros((ROWS, TILE), F32)
     pcodes = np.zeros((ROWS, TILE), np.uint8)
     pscales = np.zeros((ROWS, GROUPS), np.uint8)
     amass = np.zeros((ROWS, GROUPS), F32)
-    tl2 = np.zeros((ROWS, 1), F32)
+    tl2 = np.zeros((ROWS, 2), F32)  # tl, tv
     gm = np.zeros((ROWS, GROUPS), F32)
     c = np.zeros(ROWS, F32)
     for visit in range(order.shape[0]):
@@ -305,8 +329,8 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         p1_scores(mode.model, ops, t, zero_s, s)
         p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
         p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
-        p1_row_sums(mode.model, phat, pcodes, pscales, tl2)
-        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft)
+        p1_row_sums(mode.model, phat, pcodes, pscales, ops.nu_t[t if mode.output else 0], mode.output, tl2)
+        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft, mode.output)
         p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
         if traced:
             p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)

@@ -45,6 +45,7 @@ class Prepared:
     v16_t: np.ndarray  # [Hkv, T, d, 64] f32 FP16 input values, natural key order
     qstat: np.ndarray  # [Hkv, R, 3] f32: qn, eq, q2n of §5.7
     kvstat: np.ndarray  # [Hkv, len(KV_STATS)] f32
+    nu_t: np.ndarray | None = None  # [Hkv, T, 64] f32, §5.8 (output hot test only)
     # sm120 only: codes and UE4M3 scales
     q_codes: np.ndarray | None = None  # [terms, Hkv, R, d] u8
     q_scales: np.ndarray | None = None  # [terms, Hkv, R, d/16] u8
@@ -197,6 +198,15 @@ def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str, fi
     return np.stack([nrm(v32).max(axis=1), nrm(v32 - vh).max(axis=1)], axis=-1)
 
 
+def value_weights(v: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int, T: int) -> np.ndarray:
+    """§5.8's ν [Hkv, T, 64] in slot order: f16(nrm(v) ⊗ (1 ⊘ vg)) for the keys first_key .. S − 1, else
+    +0 (the output hot test's weights)."""
+    S, Hkv, _ = v.shape
+    nu = np.zeros((Hkv, T * TILE), F32)
+    nu[:, first_key:S] = _f16(nrm(v[first_key:].astype(F32).transpose(1, 0, 2)) * (F32(1) / vg)[:, None])
+    return np.ascontiguousarray(nu.reshape(Hkv, T, TILE)[..., slot_keys(p_groups)])
+
+
 def prep_bytes(S: int, d: int) -> int:
     """Bytes prep holds for one KV head of S keys: K and Vᵀ widened to binary32 for pass 2, the two
     pass-1 images, and the codes of the operand being quantized (measured peak: about 15 per key
@@ -230,5 +240,6 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
         q16=q16, qhat=qhat, cq=cq, sh=sh, khat=khat, vhat_t=vhat_t,
-        k16=k16, v16_t=v16_t, qstat=qstat, kvstat=kvstat, **fp4,
+        k16=k16, v16_t=v16_t, qstat=qstat, kvstat=kvstat,
+        nu_t=value_weights(v, vg, cfg.p_groups, first_key, T) if cfg.hot_test == "output" else None, **fp4,
     )

@@ -27,9 +27,12 @@ VISIT_DTYPE = np.dtype(
         ("tl", "<f4", (ROWS,)),
         ("la", "<f4", (ROWS,)),
         ("lc", "<f4", (ROWS,)),
+        ("tv", "<f4", (ROWS,)),
+        ("lv", "<f4", (ROWS,)),
     ]
 )
-VISIT_FIELDS = ("tile", "hot", "c", "m", "tl", "la", "lc")
+# tv and lv: the output hot test's value-weighted sums (§7.6–7.7); +0 under the mass test.
+VISIT_FIELDS = ("tile", "hot", "c", "m", "tl", "la", "lc", "tv", "lv")
 # The emulator's per-warp trace buffers (apa_emu.pass1 fills them), one array per field, in this order.
 VisitTrace = namedtuple("VisitTrace", VISIT_FIELDS)
 

@@ -84,17 +84,17 @@ PREP = Struct("PrepParams", [
     ("sz", GEOM_SIZES),
     ("q", PTR), ("k", PTR), ("v", PTR), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
-    ("kimg", PTR), ("vimg", PTR),
+    ("kimg", PTR), ("vimg", PTR), ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
     ("interleaved", I32),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.
 PASS1_ARGS = Struct("Pass1Args", [
-    ("qhat", PTR), ("cq", PTR), ("khat", PTR), ("vhat", PTR), ("scales", PTR), ("part", PTR), ("ml", PTR),
-    ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
+    ("qhat", PTR), ("cq", PTR), ("khat", PTR), ("vhat", PTR), ("scales", PTR), ("nu", PTR), ("part", PTR),
+    ("ml", PTR), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
     ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
-    ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32),
+    ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32), ("output", I32),
 ])
 
 # cuda/merge.cuh CertConsts: apa_emu.constants.CertConsts, by the same names (§9.7).

@@ -69,6 +69,8 @@ class Plan:
         self.vhat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
         self.kimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # FP16 tile images for pass 2
         self.vimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
+        self.output = cfg.hot_test == "output"
+        self.nu = xp.empty((B, Hkv, s.ntiles, TILE), np.uint16) if self.output else None  # §5.8
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
         self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         self.hot = xp.zeros((B, Hkv, s.nw, s.W), np.uint32)
@@ -118,7 +120,7 @@ class Plan:
         p = dict(sz=self.sizes, q=q, k=k, v=v, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
                  qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat, khat=self.khat,
                  vhat=self.vhat, kimg=self.kimg,
-                 vimg=self.vimg, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
+                 vimg=self.vimg, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
                  quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
                  interleaved=cfg.p_groups == "interleaved")
         self.ksum.fill(0)
@@ -138,10 +140,11 @@ class Plan:
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
-        pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, part=self.part,
-                     ml=self.ml, hot=self.hot, trace_visits=self.visits, visit_base=self.visit_base,
+        pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
+                     part=self.part, ml=self.ml, hot=self.hot, trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
-                     pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p)
+                     pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
+                     output=self.output)
         pass2 = dict(q=q, k=self.kimg, v=self.vimg, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
                      out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
                      trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,

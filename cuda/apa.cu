@@ -36,6 +36,7 @@ struct PrepParams {
     uint16_t* vhat;
     uint16_t* kimg;
     uint16_t* vimg;
+    uint16_t* nu;               // §5.8, output hot test only (else null)
     float qmul;
     int q_mode;                 // prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off
     int q_terms;
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, Geom(p.sz), p.interleaved != 0);
+    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, Geom(p.sz), p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -175,16 +176,17 @@ APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q
                   APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, qstat),
                   APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
-                  APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
+                  APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
                   APA_FIELD(PrepParams, interleaved));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
-                  APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, part),
+                  APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
+                  APA_FIELD(Pass1Args, part),
                   APA_FIELD(Pass1Args, ml), APA_FIELD(Pass1Args, hot), APA_FIELD(Pass1Args, trace_visits),
                   APA_FIELD(Pass1Args, visit_base), APA_FIELD(Pass1Args, eps), APA_FIELD(Pass1Args, delta),
                   APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
                   APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
-                  APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p));
+                  APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p), APA_FIELD(Pass1Args, output));
 APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
                   APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),

@@ -1,7 +1,7 @@
 // pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of 12 warps (§6.2).
 //
 // Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
-// ("hi") of the warp: m, la, lc, ad replicated over the 4 lanes of the quad, and o as the f32
+// ("hi") of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as the f32
 // accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction below
 // is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
 #pragma once
@@ -19,6 +19,7 @@ struct Pass1Args {
     const uint16_t* khat;
     const uint16_t* vhat;
     const float* scales;
+    const uint16_t* nu;      // [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null)
     float* part;             // [B, Hkv, Rp, D]
     float* ml;               // [B, Hkv, Rp, 3] = (m1, l1, ad1)
     uint32_t* hot;           // [B, Hkv, nw, W], zeroed by the host
@@ -29,12 +30,14 @@ struct Pass1Args {
     int pow2;                // P scale kind (§7.4): 0 = ue4m3, 1 = pow2
     int interleaved;         // P groups (§7.3)
     int quant_p;             // §7.5
+    int output;              // hot test (§7.7): 0 = mass, 1 = output
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
-// then c, m, tl, la, lc as 16 binary32 each.
-constexpr int VISIT_BYTES = 24 + 5 * 16 * 4;
-constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280;
+// then c, m, tl, la, lc, tv, lv as 16 binary32 each.
+constexpr int VISIT_BYTES = 24 + 7 * 16 * 4;
+constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280, VISIT_TV = 344,
+              VISIT_LV = 408;
 
 // Shared memory: the tile ring (pipeline.cuh; a stage holds the K̂ then the V̂ᵀ image of one tile),
 // then Q̂ as one image of 64 rows per warpgroup (mma.cuh sw128_half). The MMAs are wgmma (mma.cuh):
@@ -44,10 +47,14 @@ constexpr int P1_STAGES = 5;
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
 constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
-// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad.
+// The running sums of one row besides o (§7): la, lc, ad and the output test's lv.
+struct P1Sums {
+    float la, lc, ad, lv;
+};
+
+// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv.
 template <int NDN>
-__device__ __forceinline__ void p1_update(float x, float& m, float& la, float& lc, float& ad, float (&o)[NDN][4],
-                                          int half) {
+__device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&o)[NDN][4], int half) {
     if (x != m) {
         const float alpha = exp2x<exp2s_nonpos>(fsub(m, x));
 #pragma unroll
@@ -55,9 +62,10 @@ __device__ __forceinline__ void p1_update(float x, float& m, float& la, float& l
             o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
             o[dn][2 * half + 1] = fmul(o[dn][2 * half + 1], alpha);
         }
-        lc = fmul(lc, alpha);
-        la = fmul(la, alpha);
-        ad = fmul(ad, alpha);
+        r.lc = fmul(r.lc, alpha);
+        r.la = fmul(r.la, alpha);
+        r.ad = fmul(r.ad, alpha);
+        r.lv = fmul(r.lv, alpha);
         m = x;
     }
 }
@@ -86,36 +94,39 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
     c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
 }
 
-// §7.7 hot test: a warp vote over the valid rows of tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c).
-__device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float tl_lo, float tl_hi, float c_lo, float c_hi,
-                                            float m_lo, float m_hi, float la_lo, float la_hi, float eps) {
+// §7.7 hot test: a warp vote over the valid rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
+// (x, run) = (tl, la) for the mass test and (tv, lv) for the output test.
+__device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
+                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps) {
     const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
     const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-    const bool hp_lo = wr.v_lo && tl_lo > fmul(eps, fadd(fmul(la_lo, a_lo), tl_lo));
-    const bool hp_hi = wr.v_hi && tl_hi > fmul(eps, fadd(fmul(la_hi, a_hi), tl_hi));
+    const bool hp_lo = wr.v_lo && x_lo > fmul(eps, fadd(fmul(run_lo, a_lo), x_lo));
+    const bool hp_hi = wr.v_hi && x_hi > fmul(eps, fadd(fmul(run_hi, a_hi), x_hi));
     return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
 }
 
-// §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f). (The caller sets
-// the hot bit and zeroes P̂, so the tile adds nothing to o.)
+// §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f), lv ⊕= tv ⊗ the same.
+// (The caller sets the hot bit and zeroes P̂, so the tile adds nothing to o.)
 template <int NDN>
-__device__ __forceinline__ void p1_hot_branch(float c, float tl, float delta, float& m, float& la, float& lc,
-                                              float& ad, float (&o)[NDN][4], int half) {
+__device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, float& m, P1Sums& r,
+                                              float (&o)[NDN][4], int half) {
     const float f = fmaxf(m, fsub(c, delta));
     const float b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
-    p1_update(f, m, la, lc, ad, o, half);
-    la = fadd(la, fmul(tl, b));
+    p1_update(f, m, r, o, half);
+    r.la = fadd(r.la, fmul(tl, b));
+    r.lv = fadd(r.lv, fmul(tv, b));
 }
 
-// §7.8 cold branch for one row: frame c, la ⊕= tl, lc ⊕= tl, ad ⊕= the groups' a_g summed in order
-// (mass); the caller's P̂·V̂ adds to o.
+// §7.8 cold branch for one row: frame c, la ⊕= tl, lv ⊕= tv, lc ⊕= tl, ad ⊕= the groups' a_g summed in
+// order (mass); the caller's P̂·V̂ adds to o.
 template <int NDN>
-__device__ __forceinline__ void p1_cold_branch(float c, float tl, float mass, float& m, float& la, float& lc,
-                                               float& ad, float (&o)[NDN][4], int half) {
-    p1_update(c, m, la, lc, ad, o, half);
-    la = fadd(la, tl);
-    lc = fadd(lc, tl);
-    ad = fadd(ad, mass);
+__device__ __forceinline__ void p1_cold_branch(float c, float tl, float tv, float mass, float& m, P1Sums& r,
+                                               float (&o)[NDN][4], int half) {
+    p1_update(c, m, r, o, half);
+    r.la = fadd(r.la, tl);
+    r.lv = fadd(r.lv, tv);
+    r.lc = fadd(r.lc, tl);
+    r.ad = fadd(r.ad, mass);
 }
 
 // §7.8 ((a₀ ⊕ a₁) ⊕ a₂) ⊕ a₃ of a row from the quad lanes t0 = g that hold each group's a_g.
@@ -160,13 +171,14 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
 // holds the scale and bias of group t0 (p1_pscale) and the quad exchanges them. QUANT (§7.5 on):
 // e2m1(exp2s(y)) by thresholds, so no per-element exp2 at all; in the fast mode, the hardware exp2
-// in binary16 pairs instead. §7.6 tile row sums tl4: the chain against ones over the 4 groups in slot
-// order from C = +0, each step issued as soon as its group is done, so that the tensor core's
-// latency hides behind the next group's P'.
+// in binary16 pairs instead. §7.6 tile row sums tl4: the chain over the 4 groups in slot order from
+// C = +0 against bw (ones, and in the odd columns ν under the output test: tl4[1], tl4[3] are then tv),
+// each step issued as soon as its group is done, so that the tensor core's latency hides behind the
+// next group's P'.
 template <bool QUANT>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
-                                          float my_bias_hi, float my_sc_lo, float my_sc_hi, uint32_t (&pa)[4][4],
-                                          float (&tl4)[4]) {
+                                          float my_bias_hi, float my_sc_lo, float my_sc_hi,
+                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4]) {
     tl4[0] = tl4[1] = tl4[2] = tl4[3] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -202,7 +214,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
             pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
             pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
         }
-        mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
+        mma_f32_acc(tl4, pa[gi], bw[gi][0], bw[gi][1]);
     }
 }
 
@@ -217,8 +229,8 @@ __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, fl
 // ad1 = ad ⊗ Kf.
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
-                                          const float (&o)[NDN][4], float m_lo, float m_hi, float lc_lo,
-                                          float lc_hi, float ad_lo, float ad_hi) {
+                                          const float (&o)[NDN][4], float m_lo, float m_hi, const P1Sums& lo,
+                                          const P1Sums& hi) {
     const float kf = a.Kf;
     const float vk = fmul(a.scales[bh * 2 + 1], kf);
 #pragma unroll
@@ -234,8 +246,8 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
         if (wr.t0 == 0) {
             float* ml = a.ml + (bh * geo.Rp + r) * 3;
             ml[0] = half ? m_hi : m_lo;
-            ml[1] = fmul(half ? lc_hi : lc_lo, kf);
-            ml[2] = fmul(half ? ad_hi : ad_lo, kf);
+            ml[1] = fmul(half ? hi.lc : lo.lc, kf);
+            ml[2] = fmul(half ? hi.ad : lo.ad, kf);
         }
     }
 }
@@ -272,8 +284,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     }
     cp_async_commit();
 
-    float m_lo = neg_inf(), m_hi = neg_inf(), la_lo = 0.0f, la_hi = 0.0f, lc_lo = 0.0f, lc_hi = 0.0f;
-    float ad_lo = 0.0f, ad_hi = 0.0f;
+    float m_lo = neg_inf(), m_hi = neg_inf();
+    P1Sums r_lo = {0.0f, 0.0f, 0.0f, 0.0f}, r_hi = {0.0f, 0.0f, 0.0f, 0.0f};
     float o[NDN][4];
 #pragma unroll
     for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
@@ -288,6 +300,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 
     const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
+    // §7.6's B operand: column g of the row-sum MMA is lane group g's; the odd ones carry ν (output test).
+    const bool nu_lane = a.output && (wr.g & 1);
+    const uint16_t* nu_bh = nu_lane ? a.nu + bh * geo.ntkv * TILE + 2 * wr.t0 : nullptr;
     auto load = [&](int i) {  // the tile images of prep, keys >= S zero
         const size_t base = (size_t)visit_tile(i, wr.Fmin, wr.Tmax, a.ascending) * TILE * D;
         ring.load_images(i, khat_bh + base, vhat_bh + base);
@@ -345,23 +360,33 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float gsel_hi = wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo, my_mass_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi, my_mass_hi);
-            float tl4[4];  // §7.6 tile row sums
+            uint32_t bw[4][2];  // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment)
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                const uint16_t* nu_g = nu_lane ? nu_bh + (size_t)t * TILE + 16 * gi : nullptr;
+                bw[gi][0] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g) : ONES_H2;
+                bw[gi][1] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g + 8) : ONES_H2;
+            }
+            float tl4[4];  // §7.6 tile row sums (and tv in tl4[1], tl4[3])
             if (a.quant_p)
-                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
+                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4);
             else
-                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4);
+                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
-            const bool hot = p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, la_lo, la_hi, a.eps);
+            // Without the output test lv runs beside la on ones (tv = tl) and nothing reads it.
+            const float tv_lo = tl4[1], tv_hi = tl4[3];
+            const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps)
+                                      : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps);
             if (hot) {
-                p1_hot_branch(c_lo, tl_lo, a.delta, m_lo, la_lo, lc_lo, ad_lo, o, 0);
-                p1_hot_branch(c_hi, tl_hi, a.delta, m_hi, la_hi, lc_hi, ad_hi, o, 1);
+                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0);
+                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1);
                 if (wr.lane == 0) atomicOr(a.hot + (bh * geo.nw + wr.w) * geo.W + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
                 const float mass_lo = p1_group_mass(my_mass_lo), mass_hi = p1_group_mass(my_mass_hi);
-                p1_cold_branch(c_lo, tl_lo, mass_lo, m_lo, la_lo, lc_lo, ad_lo, o, 0);
-                p1_cold_branch(c_hi, tl_hi, mass_hi, m_hi, la_hi, lc_hi, ad_hi, o, 1);
+                p1_cold_branch(c_lo, tl_lo, tv_lo, mass_lo, m_lo, r_lo, o, 0);
+                p1_cold_branch(c_hi, tl_hi, tv_hi, mass_hi, m_hi, r_hi, o, 1);
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
@@ -375,8 +400,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                     p1_trace_rows(rec, VISIT_C, wr.g, c_lo, c_hi, wr.v_lo, wr.v_hi);
                     p1_trace_rows(rec, VISIT_M, wr.g, m_lo, m_hi, wr.v_lo, wr.v_hi);
                     p1_trace_rows(rec, VISIT_TL, wr.g, tl_lo, tl_hi, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_LA, wr.g, la_lo, la_hi, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_LC, wr.g, lc_lo, lc_hi, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_LA, wr.g, r_lo.la, r_hi.la, wr.v_lo, wr.v_hi);
+                    p1_trace_rows(rec, VISIT_LC, wr.g, r_lo.lc, r_hi.lc, wr.v_lo, wr.v_hi);
+                    const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
+                    p1_trace_rows(rec, VISIT_TV, wr.g, tv_lo, tv_hi, wr.v_lo && out, wr.v_hi && out);
+                    p1_trace_rows(rec, VISIT_LV, wr.g, r_lo.lv, r_hi.lv, wr.v_lo && out, wr.v_hi && out);
                 }
             }
 #endif
@@ -393,7 +421,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
-    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, lc_lo, lc_hi, ad_lo, ad_hi);
+    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, r_lo, r_hi);
 }
 
 }  // namespace apa

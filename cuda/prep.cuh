@@ -321,13 +321,15 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 // V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
 // threads' row reads hit distinct banks); each thread then sums its key's channels in order. K̂ and V̂
 // are read back from their images, so they are the values pass 1 multiplies; y is recomputed as
-// prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free.
+// prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free. Under the
+// output hot test (nu not null) the same per-key norm of v gives §5.8's ν, stored in slot order.
 constexpr int CERT_THREADS = TILE;
 constexpr int CERT_ROW = D + 2;  // halves per staged row
 __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
-                                          unsigned int* __restrict__ kvstat, const Geom& g, bool interleaved) {
+                                          unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu, const Geom& g,
+                                          bool interleaved) {
     __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
     __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
@@ -351,7 +353,10 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
             img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];
         }
         __syncthreads();
-        if (!valid) continue;
+        if (!valid) {
+            if (phase && nu != nullptr) nu[(bh * g.ntkv + tile) * TILE + j] = 0;  // §5.8: +0
+            continue;
+        }
         const uint16_t* row = rows + kk * CERT_ROW;
         if (phase == 0) {
             const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
@@ -377,6 +382,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
             }
             st[3] = nrm_end(s3);
             st[4] = nrm_end(s4);
+            if (nu != nullptr) nu[(bh * g.ntkv + tile) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
         }
     }
 #pragma unroll

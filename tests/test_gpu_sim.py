@@ -11,6 +11,7 @@ a subprocess, whose backend setting leaves this process's alone. Skipped without
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ SCRIPT = textwrap.dedent(
         v = rng.standard_normal(lead + (S, Hkv, d))
         if sink:
             k[..., 0, :, :] += 6 * q.mean(axis=(-3, -2))[..., None, :]
+            v[..., 0, :, :] *= 0.05  # a sink with a small value, as in LLMs: the output test sees it (§7.7)
         q, k, v = ((x * scale).astype(np.float16) for x in (q, k, v))
         e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all")
         g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule)
@@ -54,7 +56,7 @@ SCRIPT = textwrap.dedent(
         big = np.maximum(rows["m1"], rows["m2"])
         # rows whose output merges a cold part in a lower frame with a hot part (§9)
         merged = int(((rows["l1"] > 0) & (rows["l2"] > 0) & (rows["m1"] < big)).sum())
-        print("ok", tag, g.hot_tiles, "/", g.active_tiles, "hot", "merged", merged)
+        print("ok", tag, g.hot_tiles, "/", g.active_tiles, "hot merged", merged)
 
     run(1, 21, 3, 1, 150, 64, 129, Config(), sink=True)
     run(2, 9, 4, 2, 100, 64, 91, Config(eps=1e9, tile_order="ascending"))
@@ -77,6 +79,11 @@ SCRIPT = textwrap.dedent(
     run(13, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200)
     run(14, 70, 3, 1, 700, 64, 640, Config(eps=-1.0), window=100, schedule="fused")
     run(15, 40, 2, 1, 500, 128, 460, Config(eps=0.01, tile_order="ascending"), window=64)
+    # The output hot test (§7.7): ν in the odd columns of the row-sum MMA, lv and the trace's tv, lv;
+    # interleaved slots (ν in slot order), a window (ν of keys below it +0), d = 128.
+    run(16, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test="output"), sink=True)
+    run(17, 40, 2, 1, 500, 128, 460, Config(eps=0.25, hot_test="output", p_groups="interleaved"), sink=True,
+        window=300, schedule="fused")
     """
 )
 
@@ -87,11 +94,12 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 15, r.stdout
-    hot = [tuple(int(x) for x in line.split(" hot")[0].rsplit(" ", 3)[1::2]) for line in lines]
-    assert any(0 < h < a for h, a in hot), "no problem mixed hot and cold tiles"
-    assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) > 100, "too few rows merged both parts"
-    assert hot[9][0] == 0, "ε = 1 can make no tile hot"
+    assert len(lines) == 17, r.stdout
+    counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
+    assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
+    assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
+    assert counts[9][0] == 0, "ε = 1 can make no tile hot"
+    assert all(0 < h < a for h, a, _ in counts[15:]), "an output-test problem did not mix hot and cold tiles"
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ MUTANTS = [
     Mutant("M03", "τ vote uses τ + 1", "apa_emu/pass1.py",
            "mx[r] > m[r] + tau:", "mx[r] > m[r] + tau + np.float32(1):"),
     Mutant("M04", "hot test > → >=", "apa_emu/pass1.py",
-           "if tl2[r, 0] > eps * (st.la[r] * a + tl2[r, 0]):", "if tl2[r, 0] >= eps * (st.la[r] * a + tl2[r, 0]):"),
+           "if x > eps * (run * a + x):", "if x >= eps * (run * a + x):"),
     Mutant("M05", "δ with the wrong sign", "apa_emu/pass1.py", "c[r] - k.delta", "c[r] + k.delta"),
     Mutant("M06", "merge: cold part not rescaled (w1 = 1)", "apa_emu/merge.py",
            "w1, w2 = _weight(l1, m1, big, soft), _weight(l2, m2, big, soft)",
