@@ -94,4 +94,5 @@ def configs(draw):
         p2_accum=draw(st.sampled_from(["f16", "f16", "f32"])),
         p_groups=draw(st.sampled_from(["consecutive", "consecutive", "interleaved"])),
         scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
+        hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
     )

@@ -103,6 +103,10 @@ MUTANTS = [
     Mutant("M23", "window: the first visible key one late in pass 2", "apa_emu/pass2.py",
            "if rows.lo[r] <= k0 + j <= rows.lim[r] else NEG_INF", "if rows.lo[r] < k0 + j <= rows.lim[r] else NEG_INF",
            ("tests/test_window.py",)),
+    Mutant("M24", "output hot test: lv not rescaled when the frame moves", "apa_emu/pass1.py",
+           "            st.lv[r] = st.lv[r] * alpha\n", "", ("tests/test_hot_test.py",)),
+    Mutant("K9", "kernel output hot test: ν in the even columns of the row-sum MMA", "cuda/pass1.cuh",
+           "a.output && (wr.g & 1);", "a.output && !(wr.g & 1);", SIM),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
