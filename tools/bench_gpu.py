@@ -176,11 +176,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--no-cudnn", action="store_true", help="skip cuDNN called directly (cudnn-frontend)")
     ap.add_argument("--window", type=int, help="also time a sliding window of this many keys (numerics.md §6.1)")
+    ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    try:
+        base_cfg = Config.from_overrides(args.config, Config(eps=args.eps))
+    except ValueError as e:
+        ap.error(str(e))
 
     lines = [
-        f"APA kernel vs torch SDPA: {args.rows} query rows, GQA 24/8, d = 128, eps = {args.eps}, "
+        f"APA kernel vs torch SDPA: {args.rows} query rows, GQA 24/8, d = 128, eps = {args.eps}"
+        f"{''.join(', ' + c for c in args.config)}, "
         f"synthetic llama-3.2-3b inputs (seed {args.seed}); medians of {args.reps} runs, ms",
         "",
         "attn = pass 1 + pass 2 + merge after prep; 'sep' three launches, 'fused' one persistent launch.",
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
         q, k, v = (np.ascontiguousarray(x) for x in (dump.q, dump.k, dump.v))
-        exact_cfg, fast_cfg = Config(eps=args.eps), Config(eps=args.eps, exp2="fast")
+        exact_cfg, fast_cfg = base_cfg, base_cfg.replace(exp2="fast")
         prep, exact, share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps)
         _, exact_f, _ = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, "fused")
         _, fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps)
