@@ -13,6 +13,7 @@ from . import trace as tr
 from .config import Config
 from .geometry import HEAD_DIMS, ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import certificate, merge
+from .paging import unpage
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, prep_bytes, prepare, slot_keys, unpack_rows
@@ -265,7 +266,8 @@ def _run_in_worker(w: int) -> WarpResult:
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
-              trace=None, warps=None, workers: int = 1, progress=None) -> Result:
+              block_table=None, seqlen_k: int | None = None, trace=None, warps=None, workers: int = 1,
+              progress=None) -> Result:
     """Emulate the APA kernel bit for bit (numerics.md).
 
     Parameters
@@ -276,6 +278,10 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     config : the numerics toggles (default ``Config()``).
     window : a sliding window of W keys: query position p sees keys max(0, p − W + 1) .. p (§6.1);
         None is full causal.
+    block_table : int [B, max_pages] (or [max_pages]) for paged KV (§5.0): k and v are then page pools
+        [pages, page_size, Hkv, d]; key s of batch b is row s % page_size of page
+        block_table[b, s // page_size], and -1 (a hole) reads as zeros.
+    seqlen_k : keys per sequence with a block table (default max_pages · page_size).
     trace : None, "all" or (b, hk, warp) triples: per-visit and per-row records (§10).
     warps : only compute these (b, hk, warp) triples (a warp's result depends only on its own rows,
         §6.2); the output rows of other warps are NaN.
@@ -287,6 +293,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     Result, with ``out`` shaped like q.
     """
     cfg = config or Config()
+    k, v = unpage(q, k, v, block_table, seqlen_k)
     qb, kb, vb, squeeze = validate(q, k, v, q_offset)
     B, n, H, d = qb.shape
     shape = Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset),

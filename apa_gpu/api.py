@@ -12,6 +12,7 @@ from apa_emu import trace as tr
 from apa_emu.api import Result, check_window, validate
 from apa_emu.config import Config
 from apa_emu.geometry import TILE, Shape
+from apa_emu.paging import check_pages, gather, unpage
 from apa_emu.prep import slot_keys
 
 from . import device
@@ -62,21 +63,51 @@ def _prepare(q, k, v, q_offset, cfg):
     return shape, squeeze, qd, kd, vd
 
 
-def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None, trace=None,
-              schedule: str | None = None) -> Result:
+def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
+    """(shape, squeeze, batched device q, the device pools, (device block table, page size)) of paged
+    inputs (numerics.md §5.0), refused as the emulator refuses them: the pools' values are checked
+    where the table reads them, through the emulator's gather when a pool holds a non-finite value."""
+    xp = device.backend().xp
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, (np.ndarray, xp.ndarray)):
+            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
+    host_table = xp.asnumpy(block_table) if isinstance(block_table, xp.ndarray) else block_table
+    pages = check_pages(host_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
+    proxies = []
+    for x in (k, v):
+        finite = x.dtype == np.float16 and bool((xp if isinstance(x, xp.ndarray) else np).isfinite(x).all())
+        host = x if finite or isinstance(x, np.ndarray) else xp.asnumpy(x)
+        logical = np.broadcast_to(np.zeros((), x.dtype), (pages.table.shape[0], pages.S, *x.shape[2:])) if finite \
+            else gather(host, pages)
+        proxies.append(logical if q.ndim == 4 else logical[0])
+    shape, squeeze = _validate_any(q, *proxies, q_offset, xp)
+    check_config(cfg, shape.d)
+    qd, kd, vd = (_as_device(x, xp) for x in (q, k, v))
+    return shape, squeeze, qd[None] if squeeze else qd, kd, vd, (xp.asarray(pages.table), pages.page_size)
+
+
+def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
+              block_table=None, seqlen_k: int | None = None, trace=None, schedule: str | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
-    arrays. ``window``: a sliding window of W keys, as the emulator. ``trace``: None, "all" or (b, hk, warp)
-    triples, as the emulator. ``schedule``:
+    arrays. ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
+    paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``trace``: None,
+    "all" or (b, hk, warp) triples, as the emulator. ``schedule``:
     "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
-    shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    pages = None
+    if block_table is None:
+        if seqlen_k is not None:
+            unpage(q, k, v, None, seqlen_k)  # the emulator's refusal
+        shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    else:
+        shape, squeeze, qd, kd, vd, pages = _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k)
     shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
     plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"))
-    plan.run(qd, kd, vd)
+    plan.run(qd, kd, vd, pages)
     be = device.backend()
     be.synchronize()
     out = be.xp.asnumpy(plan.out).view(np.float16)

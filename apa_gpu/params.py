@@ -79,10 +79,13 @@ class Struct:
 GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32),
                                    ("window", I32)])
 
+# cuda/prep.cuh KvPages: paged KV (§5.0); a null table is the contiguous layout.
+KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", I32)])
+
 # cuda/apa.cu PrepParams: the seven prep kernels (§5).
 PREP = Struct("PrepParams", [
     ("sz", GEOM_SIZES),
-    ("q", PTR), ("k", PTR), ("v", PTR), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
+    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
     ("kimg", PTR), ("vimg", PTR), ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),

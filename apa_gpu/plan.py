@@ -114,10 +114,14 @@ class Plan:
     def _launch(self, name, grid, block, params, smem=0):
         device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
 
-    def prep(self, q, k, v):
-        """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous)."""
+    def prep(self, q, k, v, pages=None):
+        """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous), or page
+        pools [pages, page_size, Hkv, d] with ``pages`` = (device int32 block table [B, max_pages],
+        page_size) (§5.0)."""
         s, cfg, lay = self.shape, self.cfg, self.layout
-        p = dict(sz=self.sizes, q=q, k=k, v=v, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
+        table, page_size = pages if pages is not None else (None, 0)
+        kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
+        p = dict(sz=self.sizes, q=q, k=k, v=v, pages=kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
                  qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat, khat=self.khat,
                  vhat=self.vhat, kimg=self.kimg,
                  vimg=self.vimg, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
@@ -165,8 +169,8 @@ class Plan:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
 
-    def run(self, q, k, v):
-        self.prep(q, k, v)
+    def run(self, q, k, v, pages=None):
+        self.prep(q, k, v, pages)
         self.attend(q)
         return self.out
 

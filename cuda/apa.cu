@@ -21,8 +21,9 @@ using namespace apa;
 struct PrepParams {
     GeomSizes sz;
     const uint16_t* q;          // [B, n, H, D] f16
-    const uint16_t* k;          // [B, S, Hkv, D] f16
+    const uint16_t* k;          // [B, S, Hkv, D] f16, or a page pool [pages, page_size, Hkv, D] (§5.0)
     const uint16_t* v;
+    KvPages pages;              // table null: contiguous
     unsigned long long* ksum;   // zeroed by the host
     unsigned int* amax;         // zeroed by the host
     float* kmean;
@@ -67,7 +68,7 @@ struct FusedParams {
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
-    prep_stats(p.k, p.v, p.ksum, p.amax, Geom(p.sz));
+    prep_stats(p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz));
 }
 
 extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_constant__ PrepParams p) {
@@ -75,15 +76,15 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    prep_k(p.k, p.kmean, p.scales, p.khat, Geom(p.sz), p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
+    prep_k(p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz), p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    prep_v(p.v, p.scales, p.vhat, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
+    prep_v(p.v, p.scales, p.vhat, p.pages, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
-    prep_kv16(p.k, p.v, p.kimg, p.vimg, Geom(p.sz));
+    prep_kv16(p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz));
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
@@ -91,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, Geom(p.sz), p.interleaved != 0);
+    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz), p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -170,8 +171,10 @@ APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window));
+APA_PARAMS_LAYOUT(KvPages, APA_FIELD(KvPages, table), APA_FIELD(KvPages, page_size),
+                  APA_FIELD(KvPages, max_pages));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
-                  APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
+                  APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, pages), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
                   APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),
                   APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, qstat),
                   APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),

@@ -34,6 +34,24 @@ __device__ __forceinline__ float nrm_end(float ss) {
     return fmul(fsqrt(fadd(ss, f32_from_bits(0x00800000u))), f32_from_bits(0x3F802000u));
 }
 
+// §5.0 paged KV: K and V are page pools [pages, page_size, Hkv, D] read through a block table;
+// table null: the contiguous [B, S, Hkv, D] layout.
+struct KvPages {
+    const int* table;  // [B, max_pages], -1 = a hole
+    int page_size;
+    int max_pages;
+};
+
+// The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros.
+__device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int b, int s, int hk) {
+    if (p.table == nullptr) return (((long long)b * g.S + s) * g.Hkv + hk) * D;
+    const int page = p.table[(size_t)b * p.max_pages + s / p.page_size];
+    return page < 0 ? -1 : (((long long)page * p.page_size + s % p.page_size) * g.Hkv + hk) * D;
+}
+__device__ __forceinline__ uint16_t kv_at(const uint16_t* __restrict__ x, long long row, int c) {
+    return row < 0 ? (uint16_t)0 : x[row + c];
+}
+
 // A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
 struct PrepThread {
     int b, hk;
@@ -52,7 +70,7 @@ constexpr int STATS_THREADS = 256;
 constexpr int KEYS_PER_CHUNK = 256;
 __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                            unsigned long long* __restrict__ ksum, unsigned int* __restrict__ amax,
-                                           const Geom& g) {
+                                           const KvPages& pg, const Geom& g) {
     const int b = blockIdx.z, hk = blockIdx.y, chunk = blockIdx.x;
     const int c = threadIdx.x % D;
     const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / D;
@@ -60,8 +78,8 @@ __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const
     long long sum = 0;
     float ak = 0.0f, av = 0.0f;
     for (int s = s0; s < s1; s += STATS_THREADS / D) {
-        const size_t off = (((size_t)b * g.S + s) * g.Hkv + hk) * D + c;
-        const uint16_t kb = k[off], vb = v[off];
+        const long long row = kv_row(pg, g, b, s, hk);
+        const uint16_t kb = kv_at(k, row, c), vb = kv_at(v, row, c);
         sum += f16_units(kb);
         ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
         av = fmaxf(av, fabsf(f32h(h_from_bits(vb))));
@@ -116,7 +134,7 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
 // grid (ceil(ntkv*64*D/16 / 128), Hkv, B), block 128.
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
-                                       const Geom& g, bool quant, bool lsq, bool interleaved) {
+                                       const KvPages& pg, const Geom& g, bool quant, bool lsq, bool interleaved) {
     constexpr int NB = D / 16;
     const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * TILE * NB) return;
@@ -128,9 +146,10 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     float x[16];
     if (key < g.S) {
         const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
-        const uint16_t* src = k + (((size_t)b * g.S + key) * g.Hkv + hk) * D + 16 * cb;
+        const long long src = kv_row(pg, g, b, key, hk);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) x[i] = fmul(fsub(f32h(h_from_bits(src[i])), kmean[bh * D + 16 * cb + i]), inv);
+        for (int i = 0; i < 16; ++i)
+            x[i] = fmul(fsub(f32h(h_from_bits(kv_at(k, src, 16 * cb + i))), kmean[bh * D + 16 * cb + i]), inv);
     } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = 0.0f;
@@ -152,8 +171,8 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 // §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per
 // (tile, group, channel): grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
-                                       uint16_t* __restrict__ vhat, const Geom& g, bool quant, bool lsq,
-                                       bool interleaved) {
+                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, bool quant,
+                                       bool lsq, bool interleaved) {
     const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * 4 * D) return;
     const int c = (int)(idx % D);
@@ -167,7 +186,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     for (int i = 0; i < 16; ++i) {
         const int key = t * TILE + slot_key(16 * grp + i, interleaved);
         if (key < g.S) {
-            x[i] = fmul(f32h(h_from_bits(v[(((size_t)b * g.S + key) * g.Hkv + hk) * D + c])), inv);
+            x[i] = fmul(f32h(h_from_bits(kv_at(v, kv_row(pg, g, b, key, hk), c))), inv);
             any = true;
         } else {
             x[i] = 0.0f;
@@ -202,17 +221,18 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
 // ldmatrix reads are free of bank conflicts. One thread per 16-byte chunk of a row:
 // grid (ceil(ntkv*64*D/8 / 128), Hkv, B), block 128.
 __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
-                                          uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const Geom& g) {
+                                          uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const KvPages& pg,
+                                          const Geom& g) {
     constexpr int CH = D / 8;
     const auto [b, hk, bh, idx] = prep_thread(g);
     if (idx >= (long long)g.ntkv * TILE * CH) return;
     const int key = (int)(idx / CH), c = (int)(idx % CH);
     if (key / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = kc;
-    if (key < g.S) {
-        const size_t src = (((size_t)b * g.S + key) * g.Hkv + hk) * D + 8 * c;
-        kc = *reinterpret_cast<const uint4*>(k + src);
-        vc = *reinterpret_cast<const uint4*>(v + src);
+    const long long src = key < g.S ? kv_row(pg, g, b, key, hk) : -1;  // past S or a hole: zeros
+    if (src >= 0) {
+        kc = *reinterpret_cast<const uint4*>(k + src + 8 * c);
+        vc = *reinterpret_cast<const uint4*>(v + src + 8 * c);
     }
     const size_t dst = (bh * g.ntkv + key / TILE) * TILE * D + sw128_half(key % TILE, 8 * c, TILE);
     *reinterpret_cast<uint4*>(kimg + dst) = kc;
@@ -328,7 +348,8 @@ constexpr int CERT_ROW = D + 2;  // halves per staged row
 __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
-                                          unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu, const Geom& g,
+                                          unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu,
+                                          const KvPages& pg, const Geom& g,
                                           bool interleaved) {
     __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
     __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
@@ -347,8 +368,8 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
         for (int e = j; e < TILE * D / 2; e += CERT_THREADS) {  // word e: key e / (D/2), channels 2 (e % (D/2))
             const int r = e / (D / 2), c = 2 * (e % (D / 2));
             const int s_key = tile * TILE + r;
-            const uint32_t w = s_key < g.S
-                ? *reinterpret_cast<const uint32_t*>(src + (((size_t)b * g.S + s_key) * g.Hkv + hk) * D + c) : 0u;
+            const long long row = s_key < g.S ? kv_row(pg, g, b, s_key, hk) : -1;  // past S or a hole: zeros
+            const uint32_t w = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
             rows_w[(r * CERT_ROW + c) / 2] = w;
             img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];
         }

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import CHOICES, Config
+from ..trace import VISIT_FIELDS
 from .check import SCHEDULES, check_dump, check_generated, require_gpu
 from .dump import HEAD_DIMS, builtin_dump_path, read_dump
 from .engine import BACKENDS, select_engine
@@ -270,7 +271,7 @@ def cmd_pair(args):
         ("max |q·k| partial sum, float64 estimate (FP16 max 65504)", d.max_qk),
         ("max |running O| of pass 2, float64 estimate", d.max_o16),
     ]
-    visit_cols = ["visit", "tile", "hot", "c", "m", "tl", "la", "lc"]
+    visit_cols = ["visit", *VISIT_FIELDS]
     png = None
     if args.plot:
         png = plot_pair(info, args.plot, f"{path.name} row {args.row} head {args.head}")
@@ -517,6 +518,8 @@ _TRACE_COLUMNS = """pass-1 trace columns (docs/numerics.md §7 and §10), this r
   tl      the tile's FP4 row sum P̂·1, in units of 2^m
   la      λ after the visit: running row sum of every tile so far
   lc      running row sum of the cold tiles so far
+  tv      hot_test=output: the tile's row sum weighted by ‖v‖/vg (P̂·ν); 0 under the mass test
+  lv      hot_test=output: running sum of tv, the output test's λ; 0 under the mass test
 """
 
 

@@ -319,6 +319,8 @@ class Visit:
     tl: float
     la: float
     lc: float
+    tv: float
+    lv: float
 
 
 @dataclass(frozen=True)
@@ -564,9 +566,9 @@ def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -
         ref_norm=float(scan.ref_norm[0]), hot_norm=hot_norm, cold_norm=cold_norm,
         out_norm=float(np.linalg.norm(scan.out[0].astype(np.float64))),
         mass=mass, contrib_norm=np.linalg.norm(contrib, axis=1), hot=hot,
-        visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]), c=float(r["c"][lane]),
-                      m=float(r["m"][lane]), tl=float(r["tl"][lane]), la=float(r["la"][lane]),
-                      lc=float(r["lc"][lane])) for r in scan.result.visits],
+        visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]),
+                      **{f: float(r[f][lane]) for f in ("c", "m", "tl", "la", "lc", "tv", "lv")})
+                for r in scan.result.visits],
     )
 
 
