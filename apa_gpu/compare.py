@@ -93,18 +93,20 @@ def repro_dir() -> Path:
 
 
 def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "", schedule: str = "separate",
-                    window: int | None = None) -> Path:
-    """Write an .npz reproducer named by a hash of its content (the launch schedule and the window
-    included: each is its own code path); returns its path."""
+                    window: int | None = None, block_table=None, seqlen_k: int | None = None) -> Path:
+    """Write an .npz reproducer named by a hash of its content (the launch schedule, the window and
+    the paging included: each is its own code path); returns its path."""
     h = hashlib.sha256()
-    for x in (q, k, v):
+    table = np.zeros((0, 0), np.int32) if block_table is None else np.asarray(block_table, np.int32)
+    for x in (q, k, v, table):
         h.update(np.ascontiguousarray(x).tobytes())
     cfg_json = config_to_json(cfg)
-    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}|{window}".encode())
+    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}|{window}|{seqlen_k}".encode())
     path = repro_dir() / f"apa_gpu_{h.hexdigest()[:16]}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, q=q, k=k, v=v, q_offset=np.int64(q_offset), config=cfg_json,
-                        trace=json.dumps(trace), note=note, schedule=schedule, window=json.dumps(window))
+                        trace=json.dumps(trace), note=note, schedule=schedule, window=json.dumps(window),
+                        block_table=table, seqlen_k=json.dumps(seqlen_k))
     return path
 
 
@@ -113,9 +115,12 @@ def load_reproducer(path):
     trace = json.loads(str(z["trace"]))
     if isinstance(trace, list):
         trace = [tuple(t) for t in trace]
+    paged = "block_table" in z and z["block_table"].size > 0
     return dict(q=z["q"], k=z["k"], v=z["v"], q_offset=int(z["q_offset"]), config=config_from_json(str(z["config"])),
                 trace=trace, schedule=str(z["schedule"]) if "schedule" in z else "separate",
-                window=json.loads(str(z["window"])) if "window" in z else None)
+                window=json.loads(str(z["window"])) if "window" in z else None,
+                block_table=z["block_table"] if paged else None,
+                seqlen_k=json.loads(str(z["seqlen_k"])) if paged else None)
 
 
 def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 import apa_emu
+from apa_emu.paging import unpage
 
 from .api import attention
 from .compare import describe, first_divergence, load_reproducer, prep_divergence
@@ -27,11 +28,13 @@ def main(argv=None) -> int:
     r = load_reproducer(args.file)
     q, k, v, off, cfg, trace = r["q"], r["k"], r["v"], r["q_offset"], r["config"], r["trace"]
     schedule = args.schedule or r["schedule"]
-    print(f"q {q.shape} k {k.shape} q_offset {off} window {r['window']}\nconfig {cfg}\nschedule {schedule}")
-    prep = prep_divergence(q, k, v, off, cfg)
+    paging = dict(block_table=r["block_table"], seqlen_k=r["seqlen_k"])
+    print(f"q {q.shape} k {k.shape} q_offset {off} window {r['window']} paged {r['block_table'] is not None}\n"
+          f"config {cfg}\nschedule {schedule}")
+    prep = prep_divergence(q, *unpage(q, k, v, **paging), off, cfg)  # prep of the contiguous layout (§5.0)
     print("prep: " + (prep or "bitwise equal"))
-    emu = apa_emu.attention(q, k, v, off, cfg, window=r["window"], trace=trace, workers=args.workers)
-    gpu = attention(q, k, v, off, cfg, window=r["window"], trace=trace, schedule=schedule)
+    emu = apa_emu.attention(q, k, v, off, cfg, window=r["window"], trace=trace, workers=args.workers, **paging)
+    gpu = attention(q, k, v, off, cfg, window=r["window"], trace=trace, schedule=schedule, **paging)
     div = first_divergence(emu, gpu)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1

@@ -55,6 +55,29 @@ def make_inputs(seed, B, n, Hkv, G, d, S, structure, batched=True):
     return q, k, v
 
 
+def paginate(k, v, page_size, seed):
+    """k, v [S, Hkv, d] or [B, S, Hkv, d] as page pools [pages, page_size, Hkv, d] with a block table
+    (numerics.md §5.0): every sequence's pages shuffled into one pool with two spare pages, and, for
+    odd seeds, a random page of the first sequence a hole (its keys and values then read as zeros)."""
+    rng = np.random.default_rng(seed)
+    kb, vb = (x[None] if x.ndim == 3 else x for x in (k, v))
+    B, S = kb.shape[:2]
+    per = -(-S // page_size)
+    pages = B * per + 2
+    order = rng.permutation(pages)
+    table = order[: B * per].reshape(B, per).astype(np.int32)
+    pool_k = rng.standard_normal((pages, page_size, *kb.shape[2:])).astype(np.float16)  # spare pages: noise
+    pool_v = rng.standard_normal(pool_k.shape).astype(np.float16)
+    pad = per * page_size - S
+    for b in range(B):
+        for x, pool in ((kb, pool_k), (vb, pool_v)):
+            rows = np.concatenate([x[b], np.zeros((pad, *x.shape[2:]), np.float16)])
+            pool[table[b]] = rows.reshape(per, page_size, *x.shape[2:])
+    if seed % 2:
+        table[0, rng.integers(per)] = -1
+    return pool_k, pool_v, table if k.ndim == 4 else table[0]
+
+
 @st.composite
 def problems(draw):
     d = draw(st.sampled_from([64, 128]))

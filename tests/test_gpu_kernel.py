@@ -25,7 +25,7 @@ from apa_emu.config import Config
 import apa_gpu
 from apa_gpu import device
 from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
-from apa_gpu.strategies import configs, make_inputs, problems
+from apa_gpu.strategies import configs, make_inputs, paginate, problems
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +34,12 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, pri
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def check_bitwise(q, k, v, q_offset, cfg, trace="all", window=None):
-    emu = apa_emu.attention(q, k, v, q_offset, cfg, window=window, trace=trace)
-    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, window=window, trace=trace)
+def check_bitwise(q, k, v, q_offset, cfg, trace="all", window=None, **paging):
+    emu = apa_emu.attention(q, k, v, q_offset, cfg, window=window, trace=trace, **paging)
+    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, window=window, trace=trace, **paging)
     div = first_divergence(emu, gpu)
     if div is not None:
-        path = save_reproducer(q, k, v, q_offset, cfg, trace, window=window)
+        path = save_reproducer(q, k, v, q_offset, cfg, trace, window=window, **paging)
         raise AssertionError(
             f"kernel and emulator differ: {describe(div)}\n"
             f"shapes q {q.shape} k {k.shape}, q_offset {q_offset}, window {window}, {cfg}\n"
@@ -74,6 +74,17 @@ def test_window_matches_emulator(problem, cfg, raw):
     q, k, v = make_inputs(**shape)
     least = max(1, q_offset + shape["n"] - shape["S"] + 1)
     check_bitwise(q, k, v, q_offset, cfg, window=least + raw % max(shape["S"] + 71 - least, 1))
+
+
+@SETTINGS
+@given(problems(), configs(), st.sampled_from([1, 16, 48, 64, 256, 5]), st.integers(0, 2**20))
+def test_paged_kv_matches_emulator(problem, cfg, page_size, raw):
+    """Paged KV (§5.0): the problem's keys cut into pages of any size, shuffled into a pool with
+    spare pages, one page sometimes a hole: the kernel reads through the table, bitwise the emulator."""
+    shape, q_offset = problem
+    q, k, v = make_inputs(**shape)
+    k, v, table = paginate(k, v, page_size, raw)
+    check_bitwise(q, k, v, q_offset, cfg, block_table=table, seqlen_k=shape["S"])
 
 
 @SETTINGS

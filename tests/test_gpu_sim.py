@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
     from apa_gpu.compare import first_divergence, describe
     from apa_emu.config import Config
 
-    def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None):
+    def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None,
+            page=None):
         rng = np.random.default_rng(seed)
         lead = () if batch is None else (batch,)
         q = rng.standard_normal(lead + (n, H, d))
@@ -47,10 +48,15 @@ SCRIPT = textwrap.dedent(
             k[..., 0, :, :] += 6 * q.mean(axis=(-3, -2))[..., None, :]
             v[..., 0, :, :] *= 0.05  # a sink with a small value, as in LLMs: the output test sees it (§7.7)
         q, k, v = ((x * scale).astype(np.float16) for x in (q, k, v))
-        e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all")
-        g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule)
+        paging = {}
+        if page:
+            from apa_gpu.strategies import paginate
+            k, v, table = paginate(k, v, page, seed)
+            paging = dict(block_table=table, seqlen_k=S)
+        e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all", **paging)
+        g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule, **paging)
         div = first_divergence(e, g)
-        tag = f"seed={seed} d={d} window={window} {cfg} {schedule}"
+        tag = f"seed={seed} d={d} window={window} page={page} {cfg} {schedule}"
         assert div is None, tag + ": " + describe(div)
         rows = g.rows
         big = np.maximum(rows["m1"], rows["m2"])
@@ -84,6 +90,10 @@ SCRIPT = textwrap.dedent(
     run(16, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test="output"), sink=True)
     run(17, 40, 2, 1, 500, 128, 460, Config(eps=0.25, hot_test="output", p_groups="interleaved"), sink=True,
         window=300, schedule="fused")
+    # Paged KV (§5.0): shuffled pages, a hole (odd seeds), page sizes that do not divide S, a batch.
+    run(19, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, page=48)
+    run(21, 30, 4, 2, 260, 128, 236, Config(eps=0.05, hot_test="output"), sink=True, batch=2, page=5,
+        schedule="fused")
     """
 )
 
@@ -94,12 +104,12 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 17, r.stdout
+    assert len(lines) == 19, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
     assert counts[9][0] == 0, "ε = 1 can make no tile hot"
-    assert all(0 < h < a for h, a, _ in counts[15:]), "an output-test problem did not mix hot and cold tiles"
+    assert all(0 < h < a for h, a, _ in counts[15:17]), "an output-test problem did not mix hot and cold tiles"
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,10 @@ MUTANTS = [
            "            st.lv[r] = st.lv[r] * alpha\n", "", ("tests/test_hot_test.py",)),
     Mutant("K9", "kernel output hot test: ν in the even columns of the row-sum MMA", "cuda/pass1.cuh",
            "a.output && (wr.g & 1);", "a.output && !(wr.g & 1);", SIM),
+    Mutant("M25", "paged KV: a hole reads its page-0 row instead of zeros", "apa_emu/paging.py",
+           "    out[page < 0] = 0\n", "", ("tests/test_paging.py",)),
+    Mutant("K10", "kernel paged KV: a hole reads page 0", "cuda/prep.cuh",
+           "return page < 0 ? -1 : (((long long)page", "return page < 0 ? 0 : (((long long)page", SIM),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
