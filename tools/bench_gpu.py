@@ -72,6 +72,35 @@ def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
     return t_prep, t_attn, share
 
 
+def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
+    """Prep and attention with K and V as a page pool (numerics.md §5.0: the sequence's pages shuffled,
+    apa_gpu.strategies.paginate) against the contiguous layout, in one run; the two outputs must be
+    bitwise equal. Returns (prep, attn) ms for contiguous, then paged."""
+    import cupy as cp
+
+    from apa_emu.geometry import Shape
+    from apa_gpu.plan import Plan
+    from apa_gpu.strategies import paginate
+
+    n, H, d = q.shape
+    S, Hkv, _ = k.shape
+    pool_k, pool_v, table = paginate(k, v, page_size, 0)  # seed 0: no hole
+    shape = Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset)
+    qd = cp.asarray(q)[None]
+    runs = {"contiguous": ((cp.asarray(k)[None], cp.asarray(v)[None]), None),
+            "paged": ((cp.asarray(pool_k), cp.asarray(pool_v)), (cp.asarray(table[None]), page_size))}
+    times, outs = [], []
+    for (kd, vd), pages in runs.values():
+        plan = Plan(shape, cfg)
+        times += [_time(lambda: plan.prep(qd, kd, vd, pages), reps)]
+        plan.prep(qd, kd, vd, pages)
+        times += [_time(lambda: plan.attend(qd), reps)]
+        outs.append(plan.out.get())
+    if outs[0].tobytes() != outs[1].tobytes():
+        raise AssertionError("paged KV: the output differs from the contiguous layout's")
+    return times
+
+
 def bench_sdpa(q, k, v, reps):
     """torch SDPA, lower-right causal, flash and cuDNN backends; GQA via enable_gqa when the backend
     takes it, else K/V expanded to every query head outside the timing."""
@@ -176,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--no-cudnn", action="store_true", help="skip cuDNN called directly (cudnn-frontend)")
     ap.add_argument("--window", type=int, help="also time a sliding window of this many keys (numerics.md §6.1)")
+    ap.add_argument("--page-size", type=int, help="also time prep and attention with K and V as a shuffled page "
+                    "pool of this page size (numerics.md §5.0), against the contiguous layout")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -198,7 +229,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    windows = []
+    windows, paged = [], []
     for S in args.keys:
         t0 = time.time()
         dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
@@ -231,6 +262,15 @@ def main(argv=None) -> int:
                            f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
                            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
+        if args.page_size:
+            c_prep, c_attn, p_prep, p_attn = bench_paged(q, k, v, dump.q_offset, exact_cfg, args.reps, args.page_size)
+            paged.append(f"| {S} | {args.page_size} | {c_prep:.3f} | {p_prep:.3f} | {c_attn:.3f} | {p_attn:.3f} | "
+                         f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} |")
+            print(paged[-1], flush=True)
+    if paged:
+        lines += ["", "Paged KV (shuffled pages) against the contiguous layout, bit-exact build, outputs bitwise "
+                  "equal:", "", "| keys | page size | prep contiguous | prep paged | attn contiguous | attn paged "
+                  "| (prep + attn) paged / contiguous |", "|---:|---:|---:|---:|---:|---:|---:|", *paged]
     if windows:
         lines += ["", "Sliding window against full causal, the same inputs (separate launches; attn after prep):", "",
                   "| keys | window | hot share | prep | attn exact | attn fast | causal exact | causal fast "
