@@ -243,7 +243,7 @@ def p1_update(x, valid, st, soft):
         if valid[r] and x[r] != st.m[r]:
             alpha = exp2(st.m[r] - x[r], soft)
             for ch in range(st.o.shape[1]):
-                st.o[r, ch] = st.o[r, ch] * alpha
+                st.o[r, ch] = st.o[r, ch] * alpha + np.float32(0)  # an underflowed −0 becomes +0
             st.lc[r] = st.lc[r] * alpha
             st.la[r] = st.la[r] * alpha
             st.ad[r] = st.ad[r] * alpha

@@ -52,7 +52,9 @@ struct P1Sums {
     float la, lc, ad, lv;
 };
 
-// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv.
+// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv. The
+// spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
+// there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other value unchanged.
 template <int NDN>
 __device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&o)[NDN][4], int half) {
     if (x != m) {

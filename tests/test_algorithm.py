@@ -239,6 +239,24 @@ def sink_dominated_tail(keys=6144, d=64, gap=16.5):
     return q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), off
 
 
+def test_cold_output_holds_no_negative_zero():
+    """§7.9: a frame move that underflows a negative element of o gives −0, which update turns into +0,
+    so the exported part (o ⊗ vk) has no −0. (The kernel's hot tiles run the P·V MMA with P̂ = 0; a −0
+    in o would come out +0 there, and the two would differ in the sign of zero.) Here the hot tile 1
+    moves the frame by δ = 32 past the cold tile 2: every element of o underflows."""
+    from apa_gpu.strategies import make_inputs
+
+    q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
+    k[119] = v[119] = 0  # a zero key (a paged KV hole, §5.0), which this example needs
+    v[:, 0, 0] = -np.abs(v[:, 0, 0])  # channel 0 negative everywhere: its products with P̂ = 0 are −0 too
+    cfg = Config(eps=0.3, quant_k=False, quant_p=False, quant_v=False, tau=0)
+    rows = attention(q, k, v, 127, cfg, trace="all").rows
+    flushed = (rows["l1"] == 0) & (rows["m1"] > -np.inf)  # cold mass rescaled away to zero
+    assert flushed.sum() > 0
+    zero = rows["part"] == 0
+    assert zero[flushed].all() and not np.signbit(rows["part"][zero]).any()
+
+
 def test_decoupled_cold_frame_recovers_the_tail():
     """δ = 0 quantizes the tail to zero next to the sink (cosine < 0.5); δ = 32 keeps it (> 0.9)."""
     q, k, v, off = sink_dominated_tail()

@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     from apa_emu.config import Config
 
     def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None,
-            page=None):
+            page=None, inputs=None):
         rng = np.random.default_rng(seed)
         lead = () if batch is None else (batch,)
         q = rng.standard_normal(lead + (n, H, d))
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
         if sink:
             k[..., 0, :, :] += 6 * q.mean(axis=(-3, -2))[..., None, :]
             v[..., 0, :, :] *= 0.05  # a sink with a small value, as in LLMs: the output test sees it (§7.7)
-        q, k, v = ((x * scale).astype(np.float16) for x in (q, k, v))
+        q, k, v = inputs or ((x * scale).astype(np.float16) for x in (q, k, v))
         paging = {}
         if page:
             from apa_gpu.strategies import paginate
@@ -94,6 +94,13 @@ SCRIPT = textwrap.dedent(
     run(19, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, page=48)
     run(21, 30, 4, 2, 260, 128, 236, Config(eps=0.05, hot_test="output"), sink=True, batch=2, page=5,
         schedule="fused")
+    # A frame move by δ that underflows o to −0 before a hot tile (§7.9: update adds +0).
+    from apa_gpu.strategies import make_inputs
+    q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
+    k[119] = v[119] = 0
+    v[:, 0, 0] = -np.abs(v[:, 0, 0])  # then the zero-P̂ MMA of the hot tile alone would keep a −0
+    run(0, 56, 1, 1, 183, 64, 127, Config(eps=0.3, quant_k=False, quant_p=False, quant_v=False, tau=0),
+        inputs=(q, k, v))
     """
 )
 
@@ -104,7 +111,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 19, r.stdout
+    assert len(lines) == 20, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"

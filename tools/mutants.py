@@ -111,6 +111,8 @@ MUTANTS = [
            "    out[page < 0] = 0\n", "", ("tests/test_paging.py",)),
     Mutant("K10", "kernel paged KV: a hole reads page 0", "cuda/prep.cuh",
            "return page < 0 ? -1 : (((long long)page", "return page < 0 ? 0 : (((long long)page", SIM),
+    Mutant("M26", "update: o rescaled without ⊕ +0 (an underflowed −0 stays)", "apa_emu/pass1.py",
+           "st.o[r, ch] * alpha + np.float32(0)", "st.o[r, ch] * alpha"),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
