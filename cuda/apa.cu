@@ -47,6 +47,15 @@ struct PrepParams {
     int interleaved;
 };
 
+// A prep step that reads K or V, instantiated for the layout (prep.cuh kv_row): one uniform branch.
+#define APA_BY_LAYOUT(step, ...) \
+    do {                                       \
+        if (p.pages.table)                     \
+            step<true>(__VA_ARGS__);           \
+        else                                   \
+            step<false>(__VA_ARGS__);          \
+    } while (0)
+
 struct Pass1Params {
     GeomSizes sz;
     Pass1Args pass1;
@@ -68,7 +77,7 @@ struct FusedParams {
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
-    prep_stats(p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz));
+    APA_BY_LAYOUT(prep_stats, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz));
 }
 
 extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_constant__ PrepParams p) {
@@ -76,15 +85,16 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    prep_k(p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz), p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz), p.quant_k != 0, p.lsq != 0,
+                  p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    prep_v(p.v, p.scales, p.vhat, p.pages, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
+    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
-    prep_kv16(p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz));
+    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz));
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
@@ -92,7 +102,8 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    prep_cert(p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz), p.interleaved != 0);
+    APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz),
+                  p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {

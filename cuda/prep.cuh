@@ -42,14 +42,18 @@ struct KvPages {
     int max_pages;
 };
 
-// The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros.
+// The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros. The
+// prep steps that read K or V are instantiated for PAGED (p.table set) and not: the contiguous
+// layout keeps its plain strided loads, without a table lookup or a hole test.
+template <bool PAGED>
 __device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int b, int s, int hk) {
-    if (p.table == nullptr) return (((long long)b * g.S + s) * g.Hkv + hk) * D;
+    if constexpr (!PAGED) return (((long long)b * g.S + s) * g.Hkv + hk) * D;
     const int page = p.table[(size_t)b * p.max_pages + s / p.page_size];
     return page < 0 ? -1 : (((long long)page * p.page_size + s % p.page_size) * g.Hkv + hk) * D;
 }
+template <bool PAGED>
 __device__ __forceinline__ uint16_t kv_at(const uint16_t* __restrict__ x, long long row, int c) {
-    return row < 0 ? (uint16_t)0 : x[row + c];
+    return PAGED && row < 0 ? (uint16_t)0 : x[row + c];
 }
 
 // A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
@@ -68,6 +72,7 @@ __device__ __forceinline__ PrepThread prep_thread(const Geom& g) {
 // chunk*KEYS_PER_CHUNK + t / D + j * (256 / D). Integer sums and maxima are order-free.
 constexpr int STATS_THREADS = 256;
 constexpr int KEYS_PER_CHUNK = 256;
+template <bool PAGED>
 __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                            unsigned long long* __restrict__ ksum, unsigned int* __restrict__ amax,
                                            const KvPages& pg, const Geom& g) {
@@ -78,8 +83,8 @@ __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const
     long long sum = 0;
     float ak = 0.0f, av = 0.0f;
     for (int s = s0; s < s1; s += STATS_THREADS / D) {
-        const long long row = kv_row(pg, g, b, s, hk);
-        const uint16_t kb = kv_at(k, row, c), vb = kv_at(v, row, c);
+        const long long row = kv_row<PAGED>(pg, g, b, s, hk);
+        const uint16_t kb = kv_at<PAGED>(k, row, c), vb = kv_at<PAGED>(v, row, c);
         sum += f16_units(kb);
         ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
         av = fmaxf(av, fabsf(f32h(h_from_bits(vb))));
@@ -132,6 +137,7 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
 
 // §5.4 K̂ per key and 16-channel block, as FP16 (§5.6). One thread per (tile slot row, block):
 // grid (ceil(ntkv*64*D/16 / 128), Hkv, B), block 128.
+template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
                                        const KvPages& pg, const Geom& g, bool quant, bool lsq, bool interleaved) {
@@ -146,10 +152,18 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     float x[16];
     if (key < g.S) {
         const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
-        const long long src = kv_row(pg, g, b, key, hk);
+        const long long src = kv_row<PAGED>(pg, g, b, key, hk);
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;  // a hole: zeros
+        if (!PAGED || src >= 0) {  // the block's 16 halves in two 16-byte loads
+            lo = *reinterpret_cast<const uint4*>(k + src + 16 * cb);
+            hi = *reinterpret_cast<const uint4*>(k + src + 16 * cb + 8);
+        }
+        const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-            x[i] = fmul(fsub(f32h(h_from_bits(kv_at(k, src, 16 * cb + i))), kmean[bh * D + 16 * cb + i]), inv);
+        for (int i = 0; i < 16; ++i) {
+            const uint16_t h = (uint16_t)(w[i / 2] >> (16 * (i % 2)));
+            x[i] = fmul(fsub(f32h(h_from_bits(h)), kmean[bh * D + 16 * cb + i]), inv);
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = 0.0f;
@@ -170,6 +184,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 
 // §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per
 // (tile, group, channel): grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
+template <bool PAGED>
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, bool quant,
                                        bool lsq, bool interleaved) {
@@ -186,7 +201,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     for (int i = 0; i < 16; ++i) {
         const int key = t * TILE + slot_key(16 * grp + i, interleaved);
         if (key < g.S) {
-            x[i] = fmul(f32h(h_from_bits(kv_at(v, kv_row(pg, g, b, key, hk), c))), inv);
+            x[i] = fmul(f32h(h_from_bits(kv_at<PAGED>(v, kv_row<PAGED>(pg, g, b, key, hk), c))), inv);
             any = true;
         } else {
             x[i] = 0.0f;
@@ -220,6 +235,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
 // key order, D channels, keys >= S zero), so that pass 2 loads a tile with two bulk copies and its
 // ldmatrix reads are free of bank conflicts. One thread per 16-byte chunk of a row:
 // grid (ceil(ntkv*64*D/8 / 128), Hkv, B), block 128.
+template <bool PAGED>
 __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const KvPages& pg,
                                           const Geom& g) {
@@ -229,8 +245,8 @@ __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const 
     const int key = (int)(idx / CH), c = (int)(idx % CH);
     if (key / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = kc;
-    const long long src = key < g.S ? kv_row(pg, g, b, key, hk) : -1;  // past S or a hole: zeros
-    if (src >= 0) {
+    const long long src = key < g.S ? kv_row<PAGED>(pg, g, b, key, hk) : -1;  // past S or a hole: zeros
+    if (src >= 0) {  // (contiguous: only past S)
         kc = *reinterpret_cast<const uint4*>(k + src + 8 * c);
         vc = *reinterpret_cast<const uint4*>(v + src + 8 * c);
     }
@@ -345,6 +361,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 // output hot test (nu not null) the same per-key norm of v gives §5.8's ν, stored in slot order.
 constexpr int CERT_THREADS = TILE;
 constexpr int CERT_ROW = D + 2;  // halves per staged row
+template <bool PAGED>
 __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
@@ -368,7 +385,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
         for (int e = j; e < TILE * D / 2; e += CERT_THREADS) {  // word e: key e / (D/2), channels 2 (e % (D/2))
             const int r = e / (D / 2), c = 2 * (e % (D / 2));
             const int s_key = tile * TILE + r;
-            const long long row = s_key < g.S ? kv_row(pg, g, b, s_key, hk) : -1;  // past S or a hole: zeros
+            const long long row = s_key < g.S ? kv_row<PAGED>(pg, g, b, s_key, hk) : -1;  // past S or a hole: zeros
             const uint32_t w = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
             rows_w[(r * CERT_ROW + c) / 2] = w;
             img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];

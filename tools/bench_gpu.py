@@ -72,10 +72,36 @@ def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
     return t_prep, t_attn, share
 
 
+def prep_kernel_times(plan, qd, kd, vd, pages, reps):
+    """Median ms of each prep kernel launch (CUDA events around each launch of ``plan.prep``)."""
+    import cupy as cp
+
+    launch, runs = plan._launch, []
+
+    def timed(name, *args):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        launch(name, *args)
+        b.record()
+        runs[-1].append((name, a, b))
+
+    plan._launch = timed
+    try:
+        for _ in range(reps + 1):
+            runs.append([])
+            plan.prep(qd, kd, vd, pages)
+        cp.cuda.get_current_stream().synchronize()
+    finally:
+        plan._launch = launch
+    names = [name for name, _, _ in runs[-1]]
+    return {n: float(np.median([cp.cuda.get_elapsed_time(a, b) for r in runs[1:] for m, a, b in r if m == n]))
+            for n in names}
+
+
 def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
     """Prep and attention with K and V as a page pool (numerics.md §5.0: the sequence's pages shuffled,
     apa_gpu.strategies.paginate) against the contiguous layout, in one run; the two outputs must be
-    bitwise equal. Returns (prep, attn) ms for contiguous, then paged."""
+    bitwise equal. Returns (prep, attn) ms for contiguous, then paged, and the prep kernels' ms of each."""
     import cupy as cp
 
     from apa_emu.geometry import Shape
@@ -89,16 +115,17 @@ def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
     qd = cp.asarray(q)[None]
     runs = {"contiguous": ((cp.asarray(k)[None], cp.asarray(v)[None]), None),
             "paged": ((cp.asarray(pool_k), cp.asarray(pool_v)), (cp.asarray(table[None]), page_size))}
-    times, outs = [], []
+    times, outs, kernels = [], [], []
     for (kd, vd), pages in runs.values():
         plan = Plan(shape, cfg)
         times += [_time(lambda: plan.prep(qd, kd, vd, pages), reps)]
+        kernels.append(prep_kernel_times(plan, qd, kd, vd, pages, reps))
         plan.prep(qd, kd, vd, pages)
         times += [_time(lambda: plan.attend(qd), reps)]
         outs.append(plan.out.get())
     if outs[0].tobytes() != outs[1].tobytes():
         raise AssertionError("paged KV: the output differs from the contiguous layout's")
-    return times
+    return times, kernels
 
 
 def bench_sdpa(q, k, v, reps):
@@ -263,14 +290,17 @@ def main(argv=None) -> int:
                            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
         if args.page_size:
-            c_prep, c_attn, p_prep, p_attn = bench_paged(q, k, v, dump.q_offset, exact_cfg, args.reps, args.page_size)
+            (c_prep, c_attn, p_prep, p_attn), (kc, kp) = bench_paged(q, k, v, dump.q_offset, exact_cfg, args.reps,
+                                                                     args.page_size)
+            per_kernel = ", ".join(f"{n.removeprefix('apa_prep_')} {kc[n]:.3f}/{kp[n]:.3f}" for n in kc)
             paged.append(f"| {S} | {args.page_size} | {c_prep:.3f} | {p_prep:.3f} | {c_attn:.3f} | {p_attn:.3f} | "
-                         f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} |")
+                         f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} | {per_kernel} |")
             print(paged[-1], flush=True)
     if paged:
         lines += ["", "Paged KV (shuffled pages) against the contiguous layout, bit-exact build, outputs bitwise "
                   "equal:", "", "| keys | page size | prep contiguous | prep paged | attn contiguous | attn paged "
-                  "| (prep + attn) paged / contiguous |", "|---:|---:|---:|---:|---:|---:|---:|", *paged]
+                  "| (prep + attn) paged / contiguous | prep kernels, ms contiguous/paged |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|", *paged]
     if windows:
         lines += ["", "Sliding window against full causal, the same inputs (separate launches; attn after prep):", "",
                   "| keys | window | hot share | prep | attn exact | attn fast | causal exact | causal fast "
