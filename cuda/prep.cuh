@@ -55,6 +55,14 @@ template <bool PAGED>
 __device__ __forceinline__ uint16_t kv_at(const uint16_t* __restrict__ x, long long row, int c) {
     return PAGED && row < 0 ? (uint16_t)0 : x[row + c];
 }
+// The block's threads set rows[i] = kv_row of key key0 + i (−1 past S) for i < n: one table lookup
+// per key and block, where the steps below read each key's row many times. The caller syncs.
+template <bool PAGED>
+__device__ __forceinline__ void kv_rows(long long* rows, const KvPages& p, const Geom& g, int b, int hk, int key0,
+                                        int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        rows[i] = key0 + i < g.S ? kv_row<PAGED>(p, g, b, key0 + i, hk) : -1;
+}
 
 // A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
 struct PrepThread {
@@ -80,10 +88,13 @@ __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const
     const int c = threadIdx.x % D;
     const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / D;
     const int s1 = min(g.S, (chunk + 1) * KEYS_PER_CHUNK);
+    __shared__ long long rows[KEYS_PER_CHUNK];
+    kv_rows<PAGED>(rows, pg, g, b, hk, chunk * KEYS_PER_CHUNK, KEYS_PER_CHUNK);
+    __syncthreads();
     long long sum = 0;
     float ak = 0.0f, av = 0.0f;
     for (int s = s0; s < s1; s += STATS_THREADS / D) {
-        const long long row = kv_row<PAGED>(pg, g, b, s, hk);
+        const long long row = rows[s - chunk * KEYS_PER_CHUNK];
         const uint16_t kb = kv_at<PAGED>(k, row, c), vb = kv_at<PAGED>(v, row, c);
         sum += f16_units(kb);
         ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
@@ -194,14 +205,19 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     const int grp = (int)((idx / D) % 4);
     const int t = (int)(idx / (4 * D));
     if (t < g.first_tile(0)) return;  // below every window (§5.5): never read
+    // The block's 128 threads share the tile t (4·D is a multiple of 128), so both returns above
+    // are the whole block's.
+    __shared__ long long rows[TILE];
+    kv_rows<PAGED>(rows, pg, g, b, hk, t * TILE, TILE);
+    __syncthreads();
     const float inv = fdiv(1.0f, scales[bh * 2 + 1]);  // exact power of two
     float x[16];
     bool any = false;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-        const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-        if (key < g.S) {
-            x[i] = fmul(f32h(h_from_bits(kv_at<PAGED>(v, kv_row<PAGED>(pg, g, b, key, hk), c))), inv);
+        const int kk = slot_key(16 * grp + i, interleaved);
+        if (t * TILE + kk < g.S) {
+            x[i] = fmul(f32h(h_from_bits(kv_at<PAGED>(v, rows[kk], c))), inv);
             any = true;
         } else {
             x[i] = 0.0f;
@@ -378,14 +394,15 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
     const bool valid = key < g.S && key >= g.lo(0);  // the keys some row sees (§5.7)
     float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    __shared__ long long key_rows[TILE];  // ordered by the first __syncthreads below
+    kv_rows<PAGED>(key_rows, pg, g, b, hk, tile * TILE, TILE);
     for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
         const uint16_t* src = phase ? v : k;
         const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv + tile) * TILE * D;
         __syncthreads();  // the previous phase's reads are done
         for (int e = j; e < TILE * D / 2; e += CERT_THREADS) {  // word e: key e / (D/2), channels 2 (e % (D/2))
             const int r = e / (D / 2), c = 2 * (e % (D / 2));
-            const int s_key = tile * TILE + r;
-            const long long row = s_key < g.S ? kv_row<PAGED>(pg, g, b, s_key, hk) : -1;  // past S or a hole: zeros
+            const long long row = key_rows[r];  // past S or a hole: zeros
             const uint32_t w = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
             rows_w[(r * CERT_ROW + c) / 2] = w;
             img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];
