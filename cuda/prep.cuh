@@ -377,6 +377,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 // output hot test (nu not null) the same per-key norm of v gives §5.8's ν, stored in slot order.
 constexpr int CERT_THREADS = TILE;
 constexpr int CERT_ROW = D + 2;  // halves per staged row
+constexpr int CERT_BATCH = 8;    // staged words in flight per thread (TILE·D/2 / CERT_THREADS is a multiple)
 template <bool PAGED>
 __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
@@ -400,12 +401,23 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
         const uint16_t* src = phase ? v : k;
         const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv + tile) * TILE * D;
         __syncthreads();  // the previous phase's reads are done
-        for (int e = j; e < TILE * D / 2; e += CERT_THREADS) {  // word e: key e / (D/2), channels 2 (e % (D/2))
-            const int r = e / (D / 2), c = 2 * (e % (D / 2));
-            const long long row = key_rows[r];  // past S or a hole: zeros
-            const uint32_t w = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
-            rows_w[(r * CERT_ROW + c) / 2] = w;
-            img_w[e] = reinterpret_cast<const uint32_t*>(im)[e];
+        // Word e: key e / (D/2), channels 2 (e % (D/2)). CERT_BATCH words' loads are issued before
+        // their shared-memory stores, which the compiler would not move the loads across.
+        for (int e0 = j; e0 < TILE * D / 2; e0 += CERT_BATCH * CERT_THREADS) {
+            uint32_t w[CERT_BATCH], wi[CERT_BATCH];
+#pragma unroll
+            for (int u = 0; u < CERT_BATCH; ++u) {
+                const int e = e0 + u * CERT_THREADS, r = e / (D / 2), c = 2 * (e % (D / 2));
+                const long long row = key_rows[r];  // past S or a hole: zeros
+                w[u] = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
+                wi[u] = reinterpret_cast<const uint32_t*>(im)[e];
+            }
+#pragma unroll
+            for (int u = 0; u < CERT_BATCH; ++u) {
+                const int e = e0 + u * CERT_THREADS, r = e / (D / 2), c = 2 * (e % (D / 2));
+                rows_w[(r * CERT_ROW + c) / 2] = w[u];
+                img_w[e] = wi[u];
+            }
         }
         __syncthreads();
         if (!valid) {
