@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import trace as tr
+from . import varlen
 from .config import Config
 from .geometry import HEAD_DIMS, ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import certificate, merge
@@ -266,8 +267,8 @@ def _run_in_worker(w: int) -> WarpResult:
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
-              block_table=None, seqlen_k: int | None = None, trace=None, warps=None, workers: int = 1,
-              progress=None) -> Result:
+              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, trace=None,
+              warps=None, workers: int = 1, progress=None) -> Result:
     """Emulate the APA kernel bit for bit (numerics.md).
 
     Parameters
@@ -282,6 +283,9 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         [pages, page_size, Hkv, d]; key s of batch b is row s % page_size of page
         block_table[b, s // page_size], and -1 (a hole) reads as zeros.
     seqlen_k : keys per sequence with a block table (default max_pages · page_size).
+    cu_seqlens_q, cu_seqlens_k : int [B + 1] for a varlen batch (§6.6): q [total_q, H, d] and k, v
+        [total_k, Hkv, d] pack B sequences, each its own bottom-right causal problem (q_offset 0 here).
+        Hot masks are padded to the longest sequence's; trace records carry b = the sequence.
     trace : None, "all" or (b, hk, warp) triples: per-visit and per-row records (§10).
     warps : only compute these (b, hk, warp) triples (a warp's result depends only on its own rows,
         §6.2); the output rows of other warps are NaN.
@@ -293,6 +297,10 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     Result, with ``out`` shaped like q.
     """
     cfg = config or Config()
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return varlen.run(attention, q, k, v, q_offset, cfg, cu_seqlens_q, cu_seqlens_k, window=window,
+                          block_table=block_table, seqlen_k=seqlen_k, trace=trace, warps=warps, workers=workers,
+                          progress=progress)
     k, v = unpage(q, k, v, block_table, seqlen_k)
     qb, kb, vb, squeeze = validate(q, k, v, q_offset)
     B, n, H, d = qb.shape

@@ -12,6 +12,7 @@ from apa_emu import trace as tr
 from apa_emu.api import Result, check_window, validate
 from apa_emu.config import Config
 from apa_emu.geometry import TILE, Shape
+from apa_emu import varlen
 from apa_emu.paging import check_pages, gather, unpage
 from apa_emu.prep import slot_keys
 
@@ -87,17 +88,23 @@ def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
-              block_table=None, seqlen_k: int | None = None, trace=None, schedule: str | None = None) -> Result:
+              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, trace=None,
+              schedule: str | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
     arrays. ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
-    paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``trace``: None,
+    paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``cu_seqlens_q``,
+    ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6; for now the sequences are launched one
+    after another). ``trace``: None,
     "all" or (b, hk, warp) triples, as the emulator. ``schedule``:
     "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return varlen.run(attention, q, k, v, q_offset, cfg, cu_seqlens_q, cu_seqlens_k, window=window,
+                          block_table=block_table, seqlen_k=seqlen_k, trace=trace, schedule=schedule)
     pages = None
     if block_table is None:
         if seqlen_k is not None:

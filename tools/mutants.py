@@ -113,6 +113,8 @@ MUTANTS = [
            "return page < 0 ? -1 : (((long long)page", "return page < 0 ? 0 : (((long long)page", SIM),
     Mutant("M26", "update: o rescaled without ⊕ +0 (an underflowed −0 stays)", "apa_emu/pass1.py",
            "st.o[r, ch] * alpha + np.float32(0)", "st.o[r, ch] * alpha"),
+    Mutant("M27", "varlen: sequences top-left causal (q_offset 0)", "apa_emu/varlen.py",
+           "v[ck[b]:ck[b + 1]], int(S[b] - n[b]), config,", "v[ck[b]:ck[b + 1]], 0, config,", ("tests/test_varlen.py",)),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
