@@ -53,14 +53,17 @@ def _validate_any(q, k, v, q_offset, xp):
     return Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset)), squeeze
 
 
-def _prepare(q, k, v, q_offset, cfg):
-    """(shape, squeeze, batched device q, k, v) of validated inputs."""
+def _prepare(q, k, v, q_offset, cfg, stand_ins=None):
+    """(shape, squeeze, batched device q, k, v) of validated inputs. ``stand_ins``: what to validate
+    in place of k and v (a paged call's logical keys); k and v are then page pools, never batched."""
     xp = device.backend().xp
-    shape, squeeze = _validate_any(q, k, v, q_offset, xp)
+    shape, squeeze = _validate_any(q, *(stand_ins or (k, v)), q_offset, xp)
     check_config(cfg, shape.d)
     qd, kd, vd = (_as_device(x, xp) for x in (q, k, v))
     if squeeze:
-        qd, kd, vd = qd[None], kd[None], vd[None]
+        qd = qd[None]
+        if stand_ins is None:
+            kd, vd = kd[None], vd[None]
     return shape, squeeze, qd, kd, vd
 
 
@@ -76,15 +79,12 @@ def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
     pages = check_pages(host_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
     proxies = []
     for x in (k, v):
-        finite = x.dtype == np.float16 and bool((xp if isinstance(x, xp.ndarray) else np).isfinite(x).all())
-        host = x if finite or isinstance(x, np.ndarray) else xp.asnumpy(x)
-        logical = np.broadcast_to(np.zeros((), x.dtype), (pages.table.shape[0], pages.S, *x.shape[2:])) if finite \
-            else gather(host, pages)
+        if x.dtype == np.float16 and bool((xp if isinstance(x, xp.ndarray) else np).isfinite(x).all()):
+            logical = np.broadcast_to(np.zeros((), x.dtype), (pages.table.shape[0], pages.S, *x.shape[2:]))
+        else:
+            logical = gather(x if isinstance(x, np.ndarray) else xp.asnumpy(x), pages)
         proxies.append(logical if q.ndim == 4 else logical[0])
-    shape, squeeze = _validate_any(q, *proxies, q_offset, xp)
-    check_config(cfg, shape.d)
-    qd, kd, vd = (_as_device(x, xp) for x in (q, k, v))
-    return shape, squeeze, qd[None] if squeeze else qd, kd, vd, (xp.asarray(pages.table), pages.page_size)
+    return (*_prepare(q, k, v, q_offset, cfg, proxies), (xp.asarray(pages.table), pages.page_size))
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
