@@ -298,9 +298,10 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     """
     cfg = config or Config()
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        return varlen.run(attention, q, k, v, q_offset, cfg, cu_seqlens_q, cu_seqlens_k, window=window,
-                          block_table=block_table, seqlen_k=seqlen_k, trace=trace, warps=warps, workers=workers,
-                          progress=progress)
+        seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
+        validate(q, k, v, 0)
+        return varlen.run(attention, q, k, v, cfg, seqs, window=window, seqlen_k=seqlen_k, trace=trace, warps=warps,
+                          workers=workers, progress=progress)
     k, v = unpage(q, k, v, block_table, seqlen_k)
     qb, kb, vb, squeeze = validate(q, k, v, q_offset)
     B, n, H, d = qb.shape

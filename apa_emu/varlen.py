@@ -3,15 +3,19 @@ cu_seqlens as FlashAttention and cuDNN take them.
 
 Sequence b is an independent problem (its own prep statistics, geometry and warps) on rows
 cu_seqlens_q[b] .. cu_seqlens_q[b+1] − 1 of q and keys cu_seqlens_k[b] .. cu_seqlens_k[b+1] − 1 of k and
-v, bottom-right causal (q_offset = S_b − n_b). ``run`` splits a call, runs each sequence through the
-given ``attention`` (the emulator's or the kernel's) and packs the results, so both sides share it.
+v, bottom-right causal (q_offset = S_b − n_b). ``check`` refuses bad calls for both sides; ``run`` splits
+a call, runs each sequence through the emulator's ``attention`` and packs the results (the kernel runs
+the whole batch in one launch instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
+
+from .geometry import Shape
 
 
 def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
@@ -32,11 +36,36 @@ def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
     return cu
 
 
-def run(attention, q, k, v, q_offset, config, cu_seqlens_q, cu_seqlens_k, *, trace=None, warps=None,
-        **kwargs):
-    """``attention`` over each packed sequence (§6.6), packed back: ``out`` [total_q, H, d],
-    ``err_bound`` [total_q, H], hot masks padded to the longest sequence's warps and words, trace
-    records with b = the sequence."""
+class Seqs(NamedTuple):
+    """The checked cu_seqlens of a varlen call: sequence b is rows cq[b] .. cq[b+1] − 1, keys
+    ck[b] .. ck[b+1] − 1."""
+
+    cq: np.ndarray  # int64 [B + 1]
+    ck: np.ndarray
+
+    @property
+    def n(self) -> np.ndarray:
+        return np.diff(self.cq)
+
+    @property
+    def S(self) -> np.ndarray:
+        return np.diff(self.ck)
+
+    def longest(self, H: int, Hkv: int, d: int, window) -> Shape:
+        """The longest sequence's rows and keys, as one Shape of B = the sequences: what sizes the
+        kernel's per-(b, hk) buffers in one launch (apa_gpu.plan.Plan)."""
+        n, S = int(self.n.max()), int(self.S.max())
+        return Shape(B=len(self.n), n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=S - n, window=window)
+
+    def shapes(self, H: int, Hkv: int, d: int, window) -> list[Shape]:
+        """Each sequence's Shape (§6.6: bottom-right causal)."""
+        return [Shape(B=1, n=int(n), H=H, Hkv=Hkv, S=int(S), d=d, q_offset=int(S - n), window=window)
+                for n, S in zip(self.n, self.S)]
+
+
+def check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table=None) -> Seqs:
+    """Refuse what a varlen call cannot be (§6.6), naming it; the values of q, k and v are the
+    caller's to validate, packed, so that a bad one is named by its packed index."""
     if q_offset != 0:
         raise ValueError(f"q_offset={q_offset}: with cu_seqlens each sequence is bottom-right causal "
                          f"(q_offset = its keys − its rows); pass 0")
@@ -44,18 +73,27 @@ def run(attention, q, k, v, q_offset, config, cu_seqlens_q, cu_seqlens_k, *, tra
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"{name}: with cu_seqlens, expected packed [total, heads, d], got shape "
                              f"{getattr(x, 'shape', type(x).__name__)}")
-    if kwargs.get("block_table") is not None:
+    if block_table is not None:
         raise ValueError("block_table: paged KV with cu_seqlens is not supported; pass one or the other")
     cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
     ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if cq.shape != ck.shape:
         raise ValueError(f"cu_seqlens_q, cu_seqlens_k: {cq.shape[0] - 1} and {ck.shape[0] - 1} sequences")
-    n, S = np.diff(cq), np.diff(ck)
+    seqs = Seqs(cq, ck)
+    n, S = seqs.n, seqs.S
     short = np.flatnonzero(n > S)
     if short.size:
         b = int(short[0])
         raise ValueError(f"cu_seqlens: sequence {b} has {n[b]} query rows but {S[b]} keys; bottom-right causal "
                          f"needs rows <= keys, or its first row sees no key")
+    return seqs
+
+
+def run(attention, q, k, v, config, seqs: Seqs, *, trace=None, warps=None, **kwargs):
+    """``attention`` over each packed sequence (§6.6), packed back: ``out`` [total_q, H, d],
+    ``err_bound`` [total_q, H], hot masks padded to the longest sequence's warps and words, trace
+    records with b = the sequence."""
+    cq, ck, n, S = seqs.cq, seqs.ck, seqs.n, seqs.S
 
     def pick(spec, b):
         """The (b, hk, warp) triples of sequence b, renumbered to b = 0."""

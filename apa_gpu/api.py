@@ -95,25 +95,32 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
     arrays. ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
     paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``cu_seqlens_q``,
-    ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6; for now the sequences are launched one
-    after another). ``trace``: None,
-    "all" or (b, hk, warp) triples, as the emulator. ``schedule``:
+    ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6), in one launch. ``trace``: None, "all" or
+    (b, hk, warp) triples, as the emulator. ``schedule``:
     "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
+    pages = seqs = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        return varlen.run(attention, q, k, v, q_offset, cfg, cu_seqlens_q, cu_seqlens_k, window=window,
-                          block_table=block_table, seqlen_k=seqlen_k, trace=trace, schedule=schedule)
-    pages = None
-    if block_table is None:
+        seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
+        packed, _, qd, kd, vd = _prepare(q, k, v, 0, cfg)  # the values, named by their packed index
+        if seqlen_k is not None:
+            unpage(q, k, v, None, seqlen_k)  # the emulator's refusal
+        for e in seqs.shapes(packed.H, packed.Hkv, packed.d, None):
+            check_window(window, e.n, e.S, e.q_offset)  # every sequence's rows keep a key
+        shape = seqs.longest(packed.H, packed.Hkv, packed.d, None if window is None else int(window))
+        squeeze = False
+    elif block_table is None:
         if seqlen_k is not None:
             unpage(q, k, v, None, seqlen_k)  # the emulator's refusal
         shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
     else:
         shape, squeeze, qd, kd, vd, pages = _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k)
-    shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
-    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"))
+    if seqs is None:
+        shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
+    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"),
+                seqs)
     plan.run(qd, kd, vd, pages)
     be = device.backend()
     be.synchronize()
@@ -125,7 +132,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         out=out[0] if squeeze else out,
         err_bound=bound[0] if squeeze else bound,
         hot=hot,
-        active_tiles=shape.active_tiles(),
+        active_tiles=plan.active_tiles(),
         hot_tiles=int(np.unpackbits(hot.view(np.uint8)).sum()),
         config=cfg,
         visits=visits,

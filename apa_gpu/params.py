@@ -77,7 +77,7 @@ class Struct:
 
 # cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
 GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32),
-                                   ("window", I32)])
+                                   ("window", I32), ("cu_q", PTR), ("cu_k", PTR)])
 
 # cuda/prep.cuh KvPages: paged KV (§5.0); a null table is the contiguous layout.
 KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", I32)])

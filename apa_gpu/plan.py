@@ -7,6 +7,7 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.config import Config
 from apa_emu.geometry import ROWS, TILE, Shape, cdiv
+from apa_emu.varlen import Seqs
 
 from . import device
 from .build import SUPPORTED_D, Variant
@@ -37,9 +38,14 @@ def _q_mode(cfg: Config) -> int:
 
 
 class Plan:
-    """Device buffers and launch parameters of one (shape, config, trace request)."""
+    """Device buffers and launch parameters of one (shape, config, trace request).
 
-    def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate"):
+    ``seqs``: a varlen batch (apa_emu.varlen.Seqs, §6.6), launched at once: ``shape`` is then the
+    longest sequence's sizes (B = the sequences), which size the per-(b, hk) buffers, and the kernels
+    read each sequence's own from cu_seqlens (cuda/common.cuh Geom)."""
+
+    def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate",
+                 seqs: Seqs | None = None):
         check_config(cfg, shape.d)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -74,12 +80,23 @@ class Plan:
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
         self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         self.hot = xp.zeros((B, Hkv, s.nw, s.W), np.uint32)
-        self.out = xp.empty((B, s.n, s.H, d), np.uint16)
-        self.bound = xp.empty((B, s.n, s.H), np.float32)
+        self.entries = None if seqs is None else seqs.shapes(s.H, s.Hkv, d, s.window)
+        rows = (B, s.n) if seqs is None else (int(seqs.cq[-1]),)  # varlen: packed [total_q, ...]
+        self.out = xp.empty((*rows, s.H, d), np.uint16)
+        self.bound = xp.empty((*rows, s.H), np.float32)
         self.counters = xp.zeros(4, np.uint32)
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
-        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0)
+        cu = (None, None) if seqs is None else (xp.asarray(seqs.cq.astype(np.int32)), xp.asarray(seqs.ck.astype(np.int32)))
+        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0, cu_q=cu[0],
+                          cu_k=cu[1])
         self._trace_setup(xp)
+
+    def entry(self, b: int) -> Shape:
+        """The Shape of batch entry b (a varlen sequence's own)."""
+        return self.shape if self.entries is None else self.entries[b]
+
+    def active_tiles(self) -> int:
+        return self.shape.active_tiles() if self.entries is None else sum(e.active_tiles() for e in self.entries)
 
     # -- trace ----------------------------------------------------------------------------------
     def _trace_setup(self, xp):
@@ -91,20 +108,21 @@ class Plan:
         self.traced = []
         if self.want is None:
             return
-        # visits per warp: its active tiles (§6.3), none when ε < 0 (pass 1 does not run, §9.6)
-        nvis = np.zeros(s.nw, np.int64) if self.all_hot else s.last_tiles() - s.first_tiles() + 1
         vb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
         rb = np.full((s.B, s.Hkv, s.nw), -1, np.int32)
         nv = nr = 0
         for b in range(s.B):
+            e = self.entry(b)
+            # visits per warp: its active tiles (§6.3), none when ε < 0 (pass 1 does not run, §9.6)
+            nvis = np.zeros(e.nw, np.int64) if self.all_hot else e.last_tiles() - e.first_tiles() + 1
             for hk in range(s.Hkv):
-                for w in range(s.nw):
+                for w in range(e.nw):
                     if not self.want.wants(b, hk, w):
                         continue
                     self.traced.append((b, hk, w))
                     vb[b, hk, w], rb[b, hk, w] = nv, nr
                     nv += int(nvis[w])
-                    nr += min(ROWS, s.R - ROWS * w)
+                    nr += min(ROWS, e.R - ROWS * w)
         self.n_visits, self.n_rows = nv, nr
         self.visit_base, self.row_base = xp.asarray(vb), xp.asarray(rb)
         self.visits = xp.zeros(max(nv, 1) * tr.VISIT_DTYPE.itemsize, np.uint8)

@@ -77,43 +77,45 @@ struct FusedParams {
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_stats, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz));
+    APA_BY_LAYOUT(prep_stats, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_constant__ PrepParams p) {
-    prep_finalize(p.ksum, p.amax, p.kmean, p.scales, Geom(p.sz));
+    prep_finalize(p.ksum, p.amax, p.kmean, p.scales, Geom(p.sz, blockIdx.y));
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz), p.quant_k != 0, p.lsq != 0,
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.quant_k != 0, p.lsq != 0,
                   p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
+    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz));
+    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
-    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
+    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz, blockIdx.z), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz),
+    APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
                   p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
     APA_DYNAMIC_SMEM(smem);
-    pass1_cta(p.pass1, Geom(p.sz), smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+    const Geom g(p.sz, blockIdx.z);
+    if (g.has_cta(blockIdx.x)) pass1_cta(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass2(const __grid_constant__ Pass2Params p) {
     APA_DYNAMIC_SMEM(smem);
-    pass2_cta(p.pass2, Geom(p.sz), smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+    const Geom g(p.sz, blockIdx.z);
+    if (g.has_cta(blockIdx.x)) pass2_cta(p.pass2, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -124,41 +126,47 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass2(const __grid_
 // ticket, so it was taken by a CTA that is already running and never waits itself: no deadlock,
 // whatever the number of resident CTAs. Scheduling changes no arithmetic (numerics.md §6.2).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void item_coords(int item, const Geom& g, int B, int& b, int& hk, int& qb) {
+// Query blocks (CTAs) per (b, hk); in a varlen batch the longest sequence's, and a shorter one's
+// extra items are empty.
+__device__ __forceinline__ int query_blocks(const GeomSizes& sz) {
+    return ((sz.n * (sz.H / sz.Hkv) + 15) / 16 + WARPS - 1) / WARPS;
+}
+
+__device__ __forceinline__ void item_coords(int item, const GeomSizes& sz, int B, int& b, int& hk, int& qb) {
     // Heaviest items first: the last query block of every (b, hk) has the most tiles.
-    const int nbh = B * g.Hkv;
-    const int nqb = (g.nw + WARPS - 1) / WARPS;
-    qb = nqb - 1 - item / nbh;
+    const int nbh = B * sz.Hkv;
+    qb = query_blocks(sz) - 1 - item / nbh;
     const int bh = item % nbh;
-    b = bh / g.Hkv;
-    hk = bh % g.Hkv;
+    b = bh / sz.Hkv;
+    hk = bh % sz.Hkv;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_constant__ FusedParams p) {
     APA_DYNAMIC_SMEM(smem);
     __shared__ int ticket_s;
-    const Geom g(p.sz);
     unsigned int* const flags = p.flags;  // held in a register across the items: ptxas then spills less
-    const int items = p.B * g.Hkv * ((g.nw + WARPS - 1) / WARPS);
+    const int items = p.B * p.sz.Hkv * query_blocks(p.sz);
     const int n1 = p.pass2.all_hot ? 0 : items;
-    for (bool fresh = true;; fresh = false) {
+    bool fresh = true;  // no item has used the tile ring yet
+    for (;;) {
         __syncthreads();  // every thread has read the previous ticket; smem is free
         if (threadIdx.x == 0) ticket_s = (int)atomicAdd(&p.counters[0], 1u);
         __syncthreads();
         const int ticket = ticket_s;
         if (ticket >= n1 + items) break;
         int b, hk, qb;
+        const int item = ticket < n1 ? ticket : ticket - n1;
+        item_coords(item, p.sz, p.B, b, hk, qb);
+        const Geom g(p.sz, b);
+        const bool real = g.has_cta(qb);
         if (ticket < n1) {
-            item_coords(ticket, g, p.B, b, hk, qb);
-            pass1_cta(p.pass1, g, smem, b, hk, qb, fresh);
+            if (real) pass1_cta(p.pass1, g, smem, b, hk, qb, fresh);
             __syncthreads();  // all of the item's global writes are done
             if (threadIdx.x == 0) {
                 __threadfence();
                 flag_release(flags + ticket);
             }
-        } else {
-            const int item = ticket - n1;
-            item_coords(item, g, p.B, b, hk, qb);
+        } else if (real) {
             if (n1 && threadIdx.x == 0) {
                 unsigned int f = 0;
                 for (;;) {
@@ -170,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
             __syncthreads();  // the acquire above orders the pass-1 item's writes before every thread's reads
             pass2_cta(p.pass2, g, smem, b, hk, qb, fresh);
         }
+        fresh = fresh && !real;
     }
 }
 
@@ -181,7 +190,8 @@ APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_
                 P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
-                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window));
+                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),
+                  APA_FIELD(GeomSizes, cu_q), APA_FIELD(GeomSizes, cu_k));
 APA_PARAMS_LAYOUT(KvPages, APA_FIELD(KvPages, table), APA_FIELD(KvPages, page_size),
                   APA_FIELD(KvPages, max_pages));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),

@@ -38,9 +38,15 @@ constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek,
 struct GeomSizes {
     int n, H, Hkv, S, q_offset;
     int window;  // sliding window of W keys (§6.1); 0: full causal
+    // A varlen batch (§6.6): sequence b has rows cu_q[b] .. cu_q[b+1]-1 of q and keys cu_k[b] ..
+    // cu_k[b+1]-1 of k and v; n and S are then the longest sequence's, which size the per-(b, hk)
+    // buffers. Null: every batch entry has n rows and S keys.
+    const int* cu_q;
+    const int* cu_k;
 };
 
-// Runtime geometry of one call (numerics.md §6.1-6.3), derived from the basic sizes.
+// Runtime geometry of batch entry b of one call (numerics.md §6.1-6.3, §6.6), derived from the
+// basic sizes.
 struct Geom {
     int n, H, Hkv, G, S, q_offset, window;
     int R;      // packed rows per (b, hk): n * G
@@ -48,15 +54,38 @@ struct Geom {
     int Rp;     // padded rows: 16 * nw
     int ntkv;   // tiles: ceil(S / 64)
     int W;      // hot-mask words per warp: ceil(ntkv / 32)
+    long long q0, k0;  // entry b's first row of q, out and bound, and first key of k and v
+    // The strides of the per-(b, hk) buffers (prep images, part, ml, hot, trace bases): the sizes
+    // of GeomSizes' n and S, which differ from the entry's own in a varlen batch only.
+    int Rp_buf, ntkv_buf, nw_buf, W_buf;
 
-    __device__ __forceinline__ explicit Geom(const GeomSizes& s)
-        : n(s.n), H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), S(s.S), q_offset(s.q_offset), window(s.window) {
+    __device__ __forceinline__ Geom(const GeomSizes& s, int b)
+        : H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), window(s.window) {
+        nw_buf = (s.n * G + 15) / 16;
+        Rp_buf = 16 * nw_buf;
+        ntkv_buf = (s.S + TILE - 1) / TILE;
+        W_buf = (ntkv_buf + 31) / 32;
+        if (s.cu_q) {  // §6.6: bottom-right causal within the sequence
+            q0 = s.cu_q[b];
+            k0 = s.cu_k[b];
+            n = s.cu_q[b + 1] - s.cu_q[b];
+            S = s.cu_k[b + 1] - s.cu_k[b];
+            q_offset = S - n;
+        } else {
+            n = s.n;
+            S = s.S;
+            q_offset = s.q_offset;
+            q0 = (long long)b * n;
+            k0 = (long long)b * S;
+        }
         R = n * G;
         nw = (R + 15) / 16;
         Rp = 16 * nw;
         ntkv = (S + TILE - 1) / TILE;
         W = (ntkv + 31) / 32;
     }
+    // Whether CTA qb (12 warps) has a warp of this entry: a shorter varlen sequence has fewer.
+    __device__ __forceinline__ bool has_cta(int qb) const { return qb * WARPS < nw; }
     // Key limit of packed row r (§6.1): min(q_offset + r div G, S - 1). 64-bit safe.
     __device__ __forceinline__ int lim(int r) const {
         long long p = (long long)q_offset + r / G;

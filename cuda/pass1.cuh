@@ -239,14 +239,14 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
     for (int half = 0; half < 2; ++half) {
         const int r = half ? wr.r_hi : wr.r_lo;
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
-        float* prow = a.part + (bh * geo.Rp + r) * D;
+        float* prow = a.part + (bh * geo.Rp_buf + r) * D;
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
             float2 val = make_float2(fmul(o[dn][2 * half], vk), fmul(o[dn][2 * half + 1], vk));
             *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
         }
         if (wr.t0 == 0) {
-            float* ml = a.ml + (bh * geo.Rp + r) * 3;
+            float* ml = a.ml + (bh * geo.Rp_buf + r) * 3;
             ml[0] = half ? m_hi : m_lo;
             ml[1] = fmul(half ? hi.lc : lo.lc, kf);
             ml[2] = fmul(half ? hi.ad : lo.ad, kf);
@@ -273,15 +273,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     uint16_t* Qg = ring.tail() + (wr.wl >> 2) * 64 * D;  // the warpgroup's image
     float cq_lo = 1.0f, cq_hi = 1.0f;
     {
-        const uint16_t* qsrc = a.qhat + (bh * geo.Rp + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
+        const uint16_t* qsrc = a.qhat + (bh * geo.Rp_buf + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
         for (int c = wr.lane; c < 16 * (D / 8); c += 32) {
             const int row = c / (D / 8), col = (c % (D / 8)) * 8;
             cp_async16(Qg + sw128_half(wrow + row, col, 64),
                        qsrc + (size_t)row * D + col, wr.warp_active ? 16u : 0u);
         }
         if (wr.warp_active) {
-            cq_lo = a.cq[bh * geo.Rp + wr.r_lo];
-            cq_hi = a.cq[bh * geo.Rp + wr.r_hi];
+            cq_lo = a.cq[bh * geo.Rp_buf + wr.r_lo];
+            cq_hi = a.cq[bh * geo.Rp_buf + wr.r_hi];
         }
     }
     cp_async_commit();
@@ -295,16 +295,17 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     [[maybe_unused]] uint8_t* trace_base = nullptr;
 #if APA_TRACE
     if (wr.warp_active) {
-        const int vb = a.visit_base[bh * geo.nw + wr.w];
+        const int vb = a.visit_base[bh * geo.nw_buf + wr.w];
         if (vb >= 0) trace_base = a.trace_visits + (size_t)vb * VISIT_BYTES;
     }
 #endif
 
-    const uint16_t* khat_bh = a.khat + bh * geo.ntkv * TILE * D;
-    const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv * TILE * D;
+    uint32_t* const hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;  // the warp's hot-mask words
+    const uint16_t* khat_bh = a.khat + bh * geo.ntkv_buf * TILE * D;
+    const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv_buf * TILE * D;
     // §7.6's B operand: column g of the row-sum MMA is lane group g's; the odd ones carry ν (output test).
     const bool nu_lane = a.output && (wr.g & 1);
-    const uint16_t* nu_bh = nu_lane ? a.nu + bh * geo.ntkv * TILE + 2 * wr.t0 : nullptr;
+    const uint16_t* nu_bh = nu_lane ? a.nu + bh * geo.ntkv_buf * TILE + 2 * wr.t0 : nullptr;
     auto load = [&](int i) {  // the tile images of prep, keys >= S zero
         const size_t base = (size_t)visit_tile(i, wr.Fmin, wr.Tmax, a.ascending) * TILE * D;
         ring.load_images(i, khat_bh + base, vhat_bh + base);
@@ -382,7 +383,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             if (hot) {
                 p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0);
                 p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1);
-                if (wr.lane == 0) atomicOr(a.hot + (bh * geo.nw + wr.w) * geo.W + (t >> 5), 1u << (t & 31));
+                if (wr.lane == 0) atomicOr(hot_w + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {

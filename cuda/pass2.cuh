@@ -231,16 +231,16 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         const int r = half ? wr.r_hi : wr.r_lo;
         if (!a.all_hot) {
 #pragma unroll
-            for (int i = 0; i < 3; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp + r) * 3 + i);
+            for (int i = 0; i < 3; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp_buf + r) * 3 + i);
         }
         mw[half] = merge_weights(ml[half][0], ml[half][1], half ? st.m_hi : st.m_lo, half ? l2_hi : l2_lo);
         const int i_q = r / geo.G, h = hk * geo.G + r % geo.G;
-        uint16_t* orow = a.out + (((size_t)b * geo.n + i_q) * geo.H + h) * D;
-        const float* prow = a.part + (bh * geo.Rp + r) * D;
+        uint16_t* orow = a.out + ((geo.q0 + i_q) * geo.H + h) * D;
+        const float* prow = a.part + (bh * geo.Rp_buf + r) * D;
         [[maybe_unused]] uint8_t* rec = nullptr;
 #if APA_TRACE
         {
-            const int rb = a.row_base[bh * geo.nw + wr.w];
+            const int rb = a.row_base[bh * geo.nw_buf + wr.w];
             if (rb >= 0) rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
         }
 #endif
@@ -279,15 +279,15 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
     for (int half = 0; half < 2; ++half) {
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         const int r = half ? wr.r_hi : wr.r_lo;
-        const float* qs = a.qstat + (bh * geo.Rp + r) * 3;
-        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, a.cq[bh * geo.Rp + r],
+        const float* qs = a.qstat + (bh * geo.Rp_buf + r) * 3;
+        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, a.cq[bh * geo.Rp_buf + r],
                           qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
                           __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
                           half ? wr.lo_hi : wr.lo_lo, half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
         const float eb = merge_bound(mw[half], row, a.cert, a.qmul);
-        a.bound[((size_t)b * geo.n + r / geo.G) * geo.H + hk * geo.G + r % geo.G] = eb;
+        a.bound[(geo.q0 + r / geo.G) * geo.H + hk * geo.G + r % geo.G] = eb;
 #if APA_TRACE
-        const int rb = a.row_base[bh * geo.nw + wr.w];
+        const int rb = a.row_base[bh * geo.nw_buf + wr.w];
         if (rb >= 0) {
             uint8_t* rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
             int* hdr = reinterpret_cast<int*>(rec);
@@ -310,7 +310,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const WarpRows wr = warp_rows(geo, qb);
     const int nwords = (wr.Tmax >> 5) + 1;
-    uint32_t* hot_w = a.hot + (bh * geo.nw + (wr.warp_active ? wr.w : 0)) * geo.W;
+    uint32_t* hot_w = a.hot + (bh * geo.nw_buf + (wr.warp_active ? wr.w : 0)) * geo.W_buf;
     TileRing<P2_STAGES> ring(smem);
     ring.reset(fresh);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
@@ -341,9 +341,9 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     {
         const int rl = wr.v_lo ? wr.r_lo : 0, rh = wr.v_hi ? wr.r_hi : 0;
         const uint32_t* qlo = reinterpret_cast<const uint32_t*>(
-            a.q + (((size_t)b * geo.n + rl / geo.G) * geo.H + hk * geo.G + rl % geo.G) * D);
+            a.q + ((geo.q0 + rl / geo.G) * geo.H + hk * geo.G + rl % geo.G) * D);
         const uint32_t* qhi = reinterpret_cast<const uint32_t*>(
-            a.q + (((size_t)b * geo.n + rh / geo.G) * geo.H + hk * geo.G + rh % geo.G) * D);
+            a.q + ((geo.q0 + rh / geo.G) * geo.H + hk * geo.G + rh % geo.G) * D);
 #pragma unroll
         for (int ks = 0; ks < NKS; ++ks) {
             qa[ks][0] = wr.v_lo ? qlo[8 * ks + wr.t0] : 0u;
@@ -352,8 +352,8 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
             qa[ks][3] = wr.v_hi ? qhi[8 * ks + 4 + wr.t0] : 0u;
         }
         if (wr.warp_active) {
-            sh_lo = a.sh[bh * geo.Rp + wr.r_lo];
-            sh_hi = a.sh[bh * geo.Rp + wr.r_hi];
+            sh_lo = a.sh[bh * geo.Rp_buf + wr.r_lo];
+            sh_hi = a.sh[bh * geo.Rp_buf + wr.r_hi];
         }
     }
 
@@ -363,7 +363,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
     auto load = [&](int i, int t) {  // K and V of keys 64t.., keys >= S zero (§8.1)
-        const size_t base = (bh * geo.ntkv + t) * TILE * D;
+        const size_t base = (bh * geo.ntkv_buf + t) * TILE * D;
         ring.load_images(i, a.k + base, a.v + base);
     };
     int cur = p2_next_tile(U, 0, wr.Tmax);

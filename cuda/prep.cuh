@@ -47,7 +47,7 @@ struct KvPages {
 // layout keeps its plain strided loads, without a table lookup or a hole test.
 template <bool PAGED>
 __device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int b, int s, int hk) {
-    if constexpr (!PAGED) return (((long long)b * g.S + s) * g.Hkv + hk) * D;
+    if constexpr (!PAGED) return ((g.k0 + s) * g.Hkv + hk) * D;
     const int page = p.table[(size_t)b * p.max_pages + s / p.page_size];
     return page < 0 ? -1 : (((long long)page * p.page_size + s % p.page_size) * g.Hkv + hk) * D;
 }
@@ -158,7 +158,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
     if (row / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
-    uint16_t* img = khat + (bh * g.ntkv + row / TILE) * TILE * D;
+    uint16_t* img = khat + (bh * g.ntkv_buf + row / TILE) * TILE * D;
     const int slot = row % TILE;
     float x[16];
     if (key < g.S) {
@@ -242,7 +242,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     uint32_t out[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
-    uint16_t* img = vhat + (bh * g.ntkv + t) * TILE * D;
+    uint16_t* img = vhat + (bh * g.ntkv_buf + t) * TILE * D;
     *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
@@ -266,7 +266,7 @@ __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const 
         kc = *reinterpret_cast<const uint4*>(k + src + 8 * c);
         vc = *reinterpret_cast<const uint4*>(v + src + 8 * c);
     }
-    const size_t dst = (bh * g.ntkv + key / TILE) * TILE * D + sw128_half(key % TILE, 8 * c, TILE);
+    const size_t dst = (bh * g.ntkv_buf + key / TILE) * TILE * D + sw128_half(key % TILE, 8 * c, TILE);
     *reinterpret_cast<uint4*>(kimg + dst) = kc;
     *reinterpret_cast<uint4*>(vimg + dst) = vc;
 }
@@ -286,7 +286,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     const bool valid = r < g.R;
     const int i = valid ? r / g.G : 0;
     const int h = hk * g.G + (valid ? r % g.G : 0);
-    const uint16_t* qrow = q + (((size_t)b * g.n + i) * g.H + h) * D;
+    const uint16_t* qrow = q + ((g.q0 + i) * g.H + h) * D;
     float x[16];
     float am = 0.0f;
 #pragma unroll
@@ -347,12 +347,12 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
         s_q2 = __shfl_sync(0xFFFFFFFFu, s_q2, lane0 + blk);
     }
     if (cb == 0) {
-        float* st = qstat + (bh * g.Rp + r) * 3;
+        float* st = qstat + (bh * g.Rp_buf + r) * 3;
         st[0] = valid ? nrm_end(s_qn) : 0.0f;
         st[1] = valid ? nrm_end(s_eq) : 0.0f;
         st[2] = valid ? nrm_end(s_q2) : 0.0f;
     }
-    uint4* d4 = reinterpret_cast<uint4*>(qhat + (bh * g.Rp + r) * D + 16 * cb);
+    uint4* d4 = reinterpret_cast<uint4*>(qhat + (bh * g.Rp_buf + r) * D + 16 * cb);
     d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
     d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
     if (cb == 0) {
@@ -362,8 +362,8 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
             for (int c = 0; c < D; ++c) s = fadd(s, fmul(f32h(h_from_bits(qrow[c])), kmean[bh * D + c]));
             s = fmul(s, qmul);
         }
-        cq[bh * g.Rp + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
-        sh[bh * g.Rp + r] = s;
+        cq[bh * g.Rp_buf + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
+        sh[bh * g.Rp_buf + r] = s;
     }
 }
 
@@ -390,7 +390,8 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
     uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
     const int b = blockIdx.z, hk = blockIdx.y, tile = blockIdx.x, j = threadIdx.x;
-    if (tile < g.first_tile(0)) return;  // the whole block: below every window (§5.5)
+    if (tile < g.first_tile(0) || tile >= g.ntkv) return;  // the whole block: below every window (§5.5), or
+                                                            // past a shorter varlen sequence's keys
     const size_t bh = (size_t)b * g.Hkv + hk;
     const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
     const bool valid = key < g.S && key >= g.lo(0);  // the keys some row sees (§5.7)
@@ -399,7 +400,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     kv_rows<PAGED>(key_rows, pg, g, b, hk, tile * TILE, TILE);
     for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
         const uint16_t* src = phase ? v : k;
-        const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv + tile) * TILE * D;
+        const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv_buf + tile) * TILE * D;
         __syncthreads();  // the previous phase's reads are done
         // Word e: key e / (D/2), channels 2 (e % (D/2)). CERT_BATCH words' loads are issued before
         // their shared-memory stores, which the compiler would not move the loads across.
@@ -421,7 +422,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
         }
         __syncthreads();
         if (!valid) {
-            if (phase && nu != nullptr) nu[(bh * g.ntkv + tile) * TILE + j] = 0;  // §5.8: +0
+            if (phase && nu != nullptr) nu[(bh * g.ntkv_buf + tile) * TILE + j] = 0;  // §5.8: +0
             continue;
         }
         const uint16_t* row = rows + kk * CERT_ROW;
@@ -449,7 +450,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
             }
             st[3] = nrm_end(s3);
             st[4] = nrm_end(s4);
-            if (nu != nullptr) nu[(bh * g.ntkv + tile) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
+            if (nu != nullptr) nu[(bh * g.ntkv_buf + tile) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
         }
     }
 #pragma unroll

@@ -91,7 +91,7 @@ def test_paged_kv_matches_emulator(problem, cfg, page_size, raw):
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 200)), min_size=1, max_size=4), configs(),
        st.sampled_from([64, 128]), st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
 def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
-    """A varlen batch (§6.6): sequences of different query and key lengths packed in one call, bitwise,
+    """A varlen batch (§6.6): sequences of different query and key lengths packed in one launch, bitwise,
     trace records (b = the sequence) and padded hot masks too."""
     n = [a for a, _ in lengths]
     S = [a + extra for a, extra in lengths]
@@ -103,6 +103,7 @@ def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
     gpu = apa_gpu.attention(q, k, v, 0, cfg, cu_seqlens_q=cu(n), cu_seqlens_k=cu(S), trace="all")
     div = first_divergence(emu, gpu)
     assert div is None, f"varlen: kernel and emulator differ: {describe(div)}; lengths {lengths}, {cfg}"
+    assert (gpu.active_tiles, gpu.hot_tiles) == (emu.active_tiles, emu.hot_tiles)
 
 
 @SETTINGS

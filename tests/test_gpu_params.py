@@ -11,7 +11,6 @@ from apa_gpu import device, probes
 from apa_gpu.build import PROBE, Variant
 from apa_gpu.params import F32, FUSED, GEOM_SIZES, I32, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct, name_hash
 
-SIZES = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0)
 
 
 class _Buf:
@@ -19,6 +18,10 @@ class _Buf:
 
     def __init__(self, addr):
         self.addr = addr
+
+
+INTS = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0)
+SIZES = INTS | dict(cu_q=None, cu_k=_Buf(0x9000))  # a null and a set pointer, each in its own field
 
 
 def _pass2_values(**over):
@@ -30,7 +33,8 @@ def _pass2_values(**over):
 def test_pack_places_every_field_at_its_offset():
     rec = PASS2.pack(dict(sz=SIZES, pass2=_pass2_values(trace_rows=None)), lambda b: b.addr)
     assert rec.shape == (1,) and rec.dtype.itemsize == PASS2.dtype.itemsize
-    assert {f: int(rec["sz"][f][0]) for f in SIZES} == SIZES
+    assert {f: int(rec["sz"][f][0]) for f in INTS} == INTS
+    assert (int(rec["sz"]["cu_q"][0]), int(rec["sz"]["cu_k"][0])) == (0, 0x9000)
     p2 = rec["pass2"]
     assert int(p2["q"][0]) == 0x1000 and int(p2["trace_rows"][0]) == 0
     assert p2["qmul"][0] == np.float32(0.125) and int(p2["all_hot"][0]) == 1

@@ -101,6 +101,26 @@ SCRIPT = textwrap.dedent(
     v[:, 0, 0] = -np.abs(v[:, 0, 0])  # then the zero-P̂ MMA of the hot tile alone would keep a −0
     run(0, 56, 1, 1, 183, 64, 127, Config(eps=0.3, quant_k=False, quant_p=False, quant_v=False, tau=0),
         inputs=(q, k, v))
+
+    # One varlen launch (§6.6) against the emulator's sequences alone; sequences of one and of two
+    # CTAs, so that a short one's extra CTAs and fused items are empty.
+    def run_varlen(seed, lengths, H, Hkv, d, cfg, schedule="separate", window=None):
+        parts = [make_inputs(seed + i, 1, n, Hkv, H // Hkv, d, S, "sink", batched=False)
+                 for i, (n, S) in enumerate(lengths)]
+        q, k, v = (np.concatenate([p[j] for p in parts]) for j in range(3))
+        cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)
+        lens = dict(cu_seqlens_q=cu([n for n, _ in lengths]), cu_seqlens_k=cu([S for _, S in lengths]))
+        e = apa_emu.attention(q, k, v, 0, cfg, window=window, trace="all", **lens)
+        g = apa_gpu.attention(q, k, v, 0, cfg, window=window, trace="all", schedule=schedule, **lens)
+        div = first_divergence(e, g)
+        tag = f"varlen seed={seed} {lengths} window={window} {cfg} {schedule}"
+        assert div is None, tag + ": " + describe(div)
+        assert (g.active_tiles, g.hot_tiles) == (e.active_tiles, e.hot_tiles), tag
+        print("ok", tag, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
+
+    run_varlen(30, [(9, 150), (70, 700), (1, 64), (33, 40)], 3, 1, 64, Config(eps=0.05))
+    run_varlen(31, [(70, 520), (4, 90)], 4, 2, 128, Config(eps=0.02, hot_test="output"), schedule="fused",
+               window=300)
     """
 )
 
@@ -111,7 +131,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 20, r.stdout
+    assert len(lines) == 22, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"

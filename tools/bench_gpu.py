@@ -13,6 +13,7 @@ warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
+    python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
 """
 
 from __future__ import annotations
@@ -128,6 +129,114 @@ def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
     return times, kernels
 
 
+def bench_varlen(spec, cfg, reps, seed, cudnn_too):
+    """A varlen batch (numerics.md §6.6) of synthetic sequences ``spec`` = [(rows, keys), ...]: one
+    launch (prep included) against the same sequences launched one after another, outputs checked
+    bitwise equal, and cuDNN's ragged (THD) fused attention on the same batch. Returns a table row."""
+    import cupy as cp
+
+    from apa_emu.varlen import Seqs
+    from apa_gpu.plan import Plan
+
+    dumps = [synthetic_preset("llama-3.2-3b", n, S, seed=seed + i) for i, (n, S) in enumerate(spec)]
+    if any(dp.q_offset != S - n for dp, (n, S) in zip(dumps, spec)):
+        raise AssertionError("varlen: the synthetic sequences are not bottom-right causal")
+    q, k, v = (np.ascontiguousarray(np.concatenate([getattr(dp, x) for dp in dumps])) for x in "qkv")
+    cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int64)  # noqa: E731
+    seqs = Seqs(cu([n for n, _ in spec]), cu([S for _, S in spec]))
+    _, H, d = q.shape
+    Hkv = k.shape[1]
+    qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
+    one = Plan(seqs.longest(H, Hkv, d, None), cfg, seqs=seqs)
+    t_one = _time(lambda: (one.prep(qd, kd, vd), one.attend(qd)), reps)
+    one.run(qd, kd, vd)
+    share = int(np.unpackbits(one.hot.get().view(np.uint8)).sum()) / one.active_tiles()
+    alone = []
+    for e, (q0, q1), (k0, k1) in zip(seqs.shapes(H, Hkv, d, None), zip(seqs.cq, seqs.cq[1:]), zip(seqs.ck, seqs.ck[1:])):
+        alone.append((Plan(e, cfg), *(cp.ascontiguousarray(x) for x in (qd[:, q0:q1], kd[:, k0:k1], vd[:, k0:k1]))))
+
+    def each():
+        for plan, qs, ks, vs in alone:
+            plan.run(qs, ks, vs)
+
+    t_each = _time(each, reps)
+    each()
+    if one.out.get().tobytes() != np.concatenate([p.out.get()[0] for p, *_ in alone]).tobytes():
+        raise AssertionError("varlen: one launch differs from the sequences launched alone")
+    flops = sum(causal_flops(n, S, H, d, S - n) for n, S in spec) / 1e9
+    t_cu, detail = bench_cudnn_varlen(q, k, v, seqs, cfg.softmax_scale(d), reps) if cudnn_too else (float("nan"), "")
+    return (f"| {len(spec)} | {sum(n for n, _ in spec)} | {sum(S for _, S in spec)} | {share:.4f} | {t_one:.3f} | "
+            f"{t_each:.3f} | {t_each / t_one:.2f} | {flops / t_one:.0f} | {t_cu:.3f} | {flops / t_cu:.0f} | "
+            f"{t_one / t_cu:.2f} |"), detail
+
+
+def bench_cudnn_varlen(q, k, v, seqs, scale, reps):
+    """cuDNN's fused attention on a packed (THD) varlen batch through cudnn-frontend: ragged offsets,
+    per-sequence lengths, bottom-right causal, GQA. Its output is checked against torch SDPA per
+    sequence. Returns (ms, detail)."""
+    import cudnn
+    import cupy as cp
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+
+    B = len(seqs.n)
+    _, H, d = q.shape
+    Hkv = k.shape[1]
+    sq, sk = int(seqs.n.max()), int(seqs.S.max())
+
+    def padded(x, s, h):
+        """The packed rows at the start of room for B·s rows, seen as the logical (B, h, s, d)."""
+        buf = torch.zeros(B * s * h * d, dtype=torch.float16, device="cuda")
+        buf[: x.size].copy_(torch.from_numpy(x.reshape(-1)).cuda())
+        return buf.as_strided((B, h, s, d), (s * h * d, d, h * d, 1))
+
+    def cuda_ints(x, dtype):
+        return torch.from_numpy(np.asarray(x)).to(dtype).cuda().reshape(-1, 1, 1, 1)
+
+    qg, kg, vg = padded(q, sq, H), padded(k, sk, Hkv), padded(v, sk, Hkv)
+    og = padded(np.zeros_like(q), sq, H)
+    lq, lk = cuda_ints(seqs.n, torch.int32), cuda_ints(seqs.S, torch.int32)
+    offs = [cuda_ints(c * h * d, torch.int64) for c, h in ((seqs.cq, H), (seqs.ck, Hkv), (seqs.ck, Hkv), (seqs.cq, H))]
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.HALF, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    qt, kt, vt, lqt, lkt = (graph.tensor_like(x) for x in (qg, kg, vg, lq, lk))
+    ot = [graph.tensor_like(x) for x in offs]
+    for t, off in zip((qt, kt, vt), ot):
+        t.set_ragged_offset(off)
+    o, _ = graph.sdpa(name="sdpa", q=qt, k=kt, v=vt, generate_stats=False, attn_scale=float(scale),
+                      use_padding_mask=True, seq_len_q=lqt, seq_len_kv=lkt, diagonal_band_right_bound=0,
+                      diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT)
+    o.set_output(True).set_dim(og.size()).set_stride(og.stride())
+    o.set_ragged_offset(ot[3])
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    pack = {qt: qg, kt: kg, vt: vg, lqt: lq, lkt: lk, o: og, **dict(zip(ot, offs))}
+
+    def run():
+        graph.execute(pack, workspace, handle=handle)
+
+    run()
+    torch.cuda.synchronize()
+    flat = og.as_strided((q.size,), (1,)).view(q.shape)
+    worst = 0.0
+    for b in range(B):
+        rows, keys = slice(int(seqs.cq[b]), int(seqs.cq[b + 1])), slice(int(seqs.ck[b]), int(seqs.ck[b + 1]))
+        tq, tk, tv = (torch.from_numpy(x[s]).cuda().transpose(0, 1)[None] for x, s in ((q, rows), (k, keys), (v, keys)))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk.repeat_interleave(H // Hkv, 1), tv.repeat_interleave(H // Hkv, 1),
+            attn_mask=causal_lower_right(tq.shape[2], tk.shape[2]), scale=float(scale))
+        worst = max(worst, float((flat[rows].transpose(0, 1)[None].float() - ref.float()).abs().max()))
+    detail = f"cuDNN ragged, max |cuDNN - SDPA per sequence| {worst:.1e}"
+    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        return _time(run, reps), detail
+
+
 def bench_sdpa(q, k, v, reps):
     """torch SDPA, lower-right causal, flash and cuDNN backends; GQA via enable_gqa when the backend
     takes it, else K/V expanded to every query head outside the timing."""
@@ -234,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, help="also time a sliding window of this many keys (numerics.md §6.1)")
     ap.add_argument("--page-size", type=int, help="also time prep and attention with K and V as a shuffled page "
                     "pool of this page size (numerics.md §5.0), against the contiguous layout")
+    ap.add_argument("--varlen", nargs="*", metavar="ROWS:KEYS", help="also time one varlen batch of these "
+                    "sequences (numerics.md §6.6) in one launch, against launching them one by one and cuDNN ragged")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -296,6 +407,15 @@ def main(argv=None) -> int:
             paged.append(f"| {S} | {args.page_size} | {c_prep:.3f} | {p_prep:.3f} | {c_attn:.3f} | {p_attn:.3f} | "
                          f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} | {per_kernel} |")
             print(paged[-1], flush=True)
+    if args.varlen:
+        spec = [tuple(int(x) for x in item.split(":")) for item in args.varlen]
+        row, detail = bench_varlen(spec, base_cfg, args.reps, args.seed, not args.no_cudnn)
+        lines += ["", "A varlen batch (bit-exact build, prep included, bitwise equal to its sequences launched "
+                  f"alone): {', '.join(args.varlen)} (rows:keys); {detail}", "",
+                  "| sequences | rows | keys | hot share | one launch | one by one | one by one / one launch "
+                  "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
+        print("\n".join(lines[-3:]), flush=True)
     if paged:
         lines += ["", "Paged KV (shuffled pages) against the contiguous layout, bit-exact build, outputs bitwise "
                   "equal:", "", "| keys | page size | prep contiguous | prep paged | attn contiguous | attn paged "

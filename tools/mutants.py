@@ -115,6 +115,8 @@ MUTANTS = [
            "st.o[r, ch] * alpha + np.float32(0)", "st.o[r, ch] * alpha"),
     Mutant("M27", "varlen: sequences top-left causal (q_offset 0)", "apa_emu/varlen.py",
            "v[ck[b]:ck[b + 1]], int(S[b] - n[b]), config,", "v[ck[b]:ck[b + 1]], 0, config,", ("tests/test_varlen.py",)),
+    Mutant("K11", "kernel varlen: pass 1 strides part by the sequence's own rows, not the buffer's", "cuda/pass1.cuh",
+           "        float* prow = a.part + (bh * geo.Rp_buf", "        float* prow = a.part + (bh * geo.Rp", SIM),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
