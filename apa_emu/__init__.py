@@ -24,7 +24,8 @@ numba.config.CACHE_DIR = _numba_cache_dir()  # before the modules below decorate
 
 from .api import Result, attention, validate  # noqa: E402
 from .config import Config  # noqa: E402
+from .kvstate import KVState  # noqa: E402
 from .metrics import pair_metrics, summarize  # noqa: E402
 from .reference import reference, reference_rows  # noqa: E402
 
-__all__ = ["Config", "Result", "attention", "validate", "reference", "reference_rows", "pair_metrics", "summarize"]
+__all__ = ["Config", "KVState", "Result", "attention", "validate", "reference", "reference_rows", "pair_metrics", "summarize"]

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import trace as tr
-from . import varlen
+from . import kvstate, varlen
+from .kvstate import KVState
 from .config import Config
 from .geometry import HEAD_DIMS, ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import certificate, merge
@@ -118,6 +119,16 @@ def check_window(window, n: int, S: int, q_offset: int) -> int | None:
         raise ValueError(f"window={window}: query row {n - 1} (position {last}) would see no key: its window "
                          f"starts at key {last - window + 1}, past the last key {S - 1}")
     return int(window)
+
+
+def check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps=None) -> None:
+    """§5.9: a KV state is defined for a dense causal chunk only."""
+    if kv_state is None:
+        return
+    for name, value in (("window", window), ("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k), ("warps", warps)):
+        if value is not None:
+            raise ValueError(f"kv_state: chunked prefill with {name}= is not supported; pass one or the other")
 
 
 def _check_count(name: str, value) -> int:
@@ -267,8 +278,8 @@ def _run_in_worker(w: int) -> WarpResult:
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
-              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, trace=None,
-              warps=None, workers: int = 1, progress=None) -> Result:
+              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+              kv_state: KVState | None = None, trace=None, warps=None, workers: int = 1, progress=None) -> Result:
     """Emulate the APA kernel bit for bit (numerics.md).
 
     Parameters
@@ -286,6 +297,9 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     cu_seqlens_q, cu_seqlens_k : int [B + 1] for a varlen batch (§6.6): q [total_q, H, d] and k, v
         [total_k, Hkv, d] pack B sequences, each its own bottom-right causal problem (q_offset 0 here).
         Hot masks are padded to the longest sequence's; trace records carry b = the sequence.
+    kv_state : a KVState for chunked prefill (§5.9): this call is one chunk of n query rows, k and v the
+        context so far with the chunk's keys last (q_offset = the state's length); the call restats or
+        reuses the state's statistics as the spec says, and updates the state.
     trace : None, "all" or (b, hk, warp) triples: per-visit and per-row records (§10).
     warps : only compute these (b, hk, warp) triples (a warp's result depends only on its own rows,
         §6.2); the output rows of other warps are NaN.
@@ -297,6 +311,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     Result, with ``out`` shaped like q.
     """
     cfg = config or Config()
+    check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
         validate(q, k, v, 0)
@@ -314,6 +329,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable progress(done, total) or None, got {progress!r}")
     _check_memory(shape)
+    frozen = None if kv_state is None else kvstate.begin(kv_state, kb, vb, n, shape.q_offset)
     G, nw = shape.G, shape.nw
     chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
     groups = [(b, hk) for b in range(B) for hk in range(shape.Hkv)
@@ -323,12 +339,13 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     # One (batch, KV head) at a time: its prep is all a warp reads (§5), so memory stays at one
     # head's share of the dump whatever the number of heads.
     results: list[tuple[int, int, WarpResult]] = []
-    scales = {}
+    stats = {}
     for b, hk in groups:
         heads = slice(hk * G, (hk + 1) * G)
         prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, cfg,
-                       first_key=int(shape.lo(0)))
-        scales[(b, hk)] = (float(prep.kg[0]), float(prep.vg[0]))
+                       first_key=int(shape.lo(0)),
+                       stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))
+        stats[b, hk] = prep.kmean[0], prep.kg[0], prep.vg[0]
         todo = [w for w in range(nw) if chosen is None or (b, hk, w) in chosen]
         runner = _Runner(shape, b, hk, prep, cfg, want)
         if workers > 1 and len(todo) > 1:
@@ -345,6 +362,9 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
                 if progress:
                     progress(len(results), total)
 
+    if kv_state is not None:
+        kvstate.finish(kv_state, kb, kvstate.Stats(*(np.array([[stats[b, hk][i] for hk in range(shape.Hkv)]
+                                                                for b in range(B)]) for i in range(3))))
     rows_out = np.full((B, shape.Hkv, shape.Rp, d), np.nan, np.float16)
     rows_bound = np.full((B, shape.Hkv, shape.Rp, 1), np.nan, F32)
     hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
@@ -365,5 +385,6 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         config=cfg,
         visits=np.concatenate(visits) if want is not None and visits else None,
         rows=np.concatenate(row_recs) if want is not None and row_recs else None,
-        meta=dict(G=G, R=shape.R, nw=nw, ntiles=shape.ntiles, head_scales=scales),
+        meta=dict(G=G, R=shape.R, nw=nw, ntiles=shape.ntiles,
+                  head_scales={bh: (float(x[1]), float(x[2])) for bh, x in stats.items()}),
     )

@@ -214,14 +214,16 @@ def prep_bytes(S: int, d: int) -> int:
     return cdiv(S, TILE) * TILE * d * (4 * 4 + 1)
 
 
-def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config, first_key: int = 0) -> Prepared:
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config, first_key: int = 0,
+            stats=None) -> Prepared:
     """Prep (§5) for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated.
     ``first_key``: lo₀, the first key any row sees (§5.5; 0 without a window): the key statistics of
-    §5.7 start there. (The images below its tile are formed here all the same: nothing reads them.)"""
+    §5.7 start there. (The images below its tile are formed here all the same: nothing reads them.)
+    ``stats``: (kmean [Hkv, d], kg [Hkv], vg [Hkv]) of a frozen chunk (§5.9) instead of §5.1–5.2's."""
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     T = cdiv(S, TILE)
-    kmean, kg, vg = prep_stats(k, v)
+    kmean, kg, vg = prep_stats(k, v) if stats is None else stats
     # pass 2's operands, built straight in their layouts: K [Hkv, T*64, d], Vᵀ per tile [Hkv, T, d, 64]
     k16 = np.zeros((Hkv, T * TILE, d), F32)
     k16[:, :S] = k.transpose(1, 0, 2)

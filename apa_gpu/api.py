@@ -9,10 +9,11 @@ import os
 import numpy as np
 
 from apa_emu import trace as tr
-from apa_emu.api import Result, check_window, validate
+from apa_emu.api import Result, check_state_use, check_window, validate
 from apa_emu.config import Config
 from apa_emu.geometry import TILE, Shape
-from apa_emu import varlen
+from apa_emu import kvstate, varlen
+from apa_emu.kvstate import KVState
 from apa_emu.paging import check_pages, gather, unpage
 from apa_emu.prep import slot_keys
 
@@ -88,19 +89,21 @@ def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
-              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None, trace=None,
-              schedule: str | None = None) -> Result:
+              block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+              kv_state: KVState | None = None, trace=None, schedule: str | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
     arrays. ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
     paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``cu_seqlens_q``,
-    ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6), in one launch. ``trace``: None, "all" or
+    ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6), in one launch. ``kv_state``: a chunk of
+    a chunked prefill, as the emulator (§5.9). ``trace``: None, "all" or
     (b, hk, warp) triples, as the emulator. ``schedule``:
     "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
     Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
+    check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k)
     pages = seqs = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
@@ -119,10 +122,13 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         shape, squeeze, qd, kd, vd, pages = _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k)
     if seqs is None:
         shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
+    be = device.backend()
+    frozen = None if kv_state is None else kvstate.begin(kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
     plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"),
                 seqs)
-    plan.run(qd, kd, vd, pages)
-    be = device.backend()
+    plan.run(qd, kd, vd, pages, frozen)
+    if kv_state is not None:
+        kvstate.finish(kv_state, kd, plan.stats(), be.xp)
     be.synchronize()
     out = be.xp.asnumpy(plan.out).view(np.float16)
     bound = be.xp.asnumpy(plan.bound)

@@ -120,6 +120,7 @@ class _SimArrays:
         return a.view(_SimArray)
 
     isfinite = staticmethod(np.isfinite)
+    abs = staticmethod(np.abs)
 
     @staticmethod
     def asnumpy(a):

@@ -7,6 +7,7 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.config import Config
 from apa_emu.geometry import ROWS, TILE, Shape, cdiv
+from apa_emu.kvstate import Stats
 from apa_emu.varlen import Seqs
 
 from . import device
@@ -132,10 +133,11 @@ class Plan:
     def _launch(self, name, grid, block, params, smem=0):
         device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
 
-    def prep(self, q, k, v, pages=None):
+    def prep(self, q, k, v, pages=None, stats=None):
         """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous), or page
         pools [pages, page_size, Hkv, d] with ``pages`` = (device int32 block table [B, max_pages],
-        page_size) (§5.0)."""
+        page_size) (§5.0). ``stats``: a frozen chunk's statistics (apa_emu.kvstate.Stats, §5.9), which
+        replace §5.1–5.2."""
         s, cfg, lay = self.shape, self.cfg, self.layout
         table, page_size = pages if pages is not None else (None, 0)
         kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
@@ -149,8 +151,13 @@ class Plan:
         self.amax.fill(0)
         self.kvstat.fill(0)
         nb, bhd = s.d // 16, (s.Hkv, s.B)
-        self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
-        self._launch("apa_prep_finalize", bhd, s.d, p)
+        xp = device.backend().xp
+        if stats is None:
+            self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
+            self._launch("apa_prep_finalize", bhd, s.d, p)
+        else:
+            self.kmean[...] = xp.asarray(stats.kmean)
+            self.scales[...] = xp.asarray(np.stack([stats.kg, stats.vg], axis=-1))
         self._launch("apa_prep_q", (cdiv(s.Rp * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_k", (cdiv(s.ntiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_v", (cdiv(s.ntiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
@@ -187,8 +194,14 @@ class Plan:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
 
-    def run(self, q, k, v, pages=None):
-        self.prep(q, k, v, pages)
+    def stats(self) -> Stats:
+        """The statistics prep used (§5.1–5.2), on the host."""
+        xp = device.backend().xp
+        scales = xp.asnumpy(self.scales)
+        return Stats(xp.asnumpy(self.kmean), scales[..., 0], scales[..., 1])
+
+    def run(self, q, k, v, pages=None, stats=None):
+        self.prep(q, k, v, pages, stats)
         self.attend(q)
         return self.out
 

@@ -98,3 +98,17 @@ def test_errors_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_chunked_against_whole_prompt(capsys, small_dump):
+    """`apa chunked`: one chunk of every row is the whole-prompt run (one restat per KV head), whose
+    numbers are `apa scan`'s; chunks of 16 rows run frozen after the first and keep the certificate."""
+    _, path = small_dump
+    scan = run_json(capsys, "scan", path, "--backend", "cpu")["summary"]
+    one = run_json(capsys, "chunked", path, "--chunk", "48", "--backend", "cpu")["per_dump"][0]
+    assert one["chunked"] == one["whole"] and one["reasons"] == [["first"]] * 2 and one["restats"] == 2
+    w = one["whole"]
+    assert w["hot_share"] == scan["hot_share"] and w["min_cos"] == pytest.approx(scan["min_cos"], abs=1e-12)
+    three = run_json(capsys, "chunked", path, "--chunk", "16", "--backend", "cpu")["per_dump"][0]
+    assert three["chunks"] == 3 and three["reasons"] == [["first", "", ""]] * 2  # 320 keys < 1.125 × 288
+    assert three["whole"] == w and three["chunked"]["violations"] == 0 and three["chunked"]["min_cos"] > 0.99

@@ -107,6 +107,24 @@ def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
 
 
 @SETTINGS
+@given(st.integers(16, 400), st.lists(st.integers(1, 60), min_size=1, max_size=4), configs(), st.sampled_from([64, 128]),
+       st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
+def test_chunked_prefill_matches_emulator(first, chunks, cfg, d, structure, seed):
+    """Chunked prefill (§5.9): the same chunks through a KV state on each side, bitwise (trace too),
+    with the same restat decisions; frozen chunks (below 1.125× the statistics' keys) among them."""
+    S = first + sum(chunks)
+    q, k, v = make_inputs(seed, 1, S, 1, 2, d, S, structure, batched=False)
+    se, sg, start = apa_emu.KVState(), apa_emu.KVState(), 0
+    for end in np.cumsum([first, *chunks]):
+        emu = apa_emu.attention(q[start:end], k[:end], v[:end], start, cfg, kv_state=se, trace="all")
+        gpu = apa_gpu.attention(q[start:end], k[:end], v[:end], start, cfg, kv_state=sg, trace="all")
+        div = first_divergence(emu, gpu)
+        assert div is None, f"chunk {start}..{end} ({sg.last or 'frozen'}): {describe(div)}; {cfg}"
+        assert se.history == sg.history
+        start = int(end)
+
+
+@SETTINGS
 @given(problems(), st.sampled_from([0.005, 0.05, -1.0]))
 def test_partial_trace_and_plain_mode(problem, eps):
     """Tracing a subset of warps, and the plain (no-trace) build: same hot masks and output."""

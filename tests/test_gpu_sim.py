@@ -121,6 +121,20 @@ SCRIPT = textwrap.dedent(
     run_varlen(30, [(9, 150), (70, 700), (1, 64), (33, 40)], 3, 1, 64, Config(eps=0.05))
     run_varlen(31, [(70, 520), (4, 90)], 4, 2, 128, Config(eps=0.02, hot_test="output"), schedule="fused",
                window=300)
+
+    # Chunked prefill (§5.9): a first chunk, a frozen one (the first chunk's statistics, prep's stats
+    # launches skipped), a growth restat; both sides keep their own KV state.
+    from apa_emu import KVState
+    q, k, v = make_inputs(40, 1, 700, 1, 3, 64, 700, "sink", batched=False)
+    se, sg, start = KVState(), KVState(), 0
+    for end in (600, 640, 700):
+        e = apa_emu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=se, trace="all")
+        g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all")
+        div = first_divergence(e, g)
+        assert div is None and se.history == sg.history, f"chunk {start}..{end} {sg}: " + describe(div or {})
+        start = end
+    assert [r for _, r in sg.history] == ["first", "", "growth"], sg.history
+    print("ok chunks", sg, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
     """
 )
 
@@ -131,7 +145,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 22, r.stdout
+    assert len(lines) == 23, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"

@@ -17,6 +17,7 @@ direct test of the packing kills it.)
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -117,9 +118,25 @@ MUTANTS = [
            "v[ck[b]:ck[b + 1]], int(S[b] - n[b]), config,", "v[ck[b]:ck[b + 1]], 0, config,", ("tests/test_varlen.py",)),
     Mutant("K11", "kernel varlen: pass 1 strides part by the sequence's own rows, not the buffer's", "cuda/pass1.cuh",
            "        float* prow = a.part + (bh * geo.Rp_buf", "        float* prow = a.part + (bh * geo.Rp", SIM),
+    Mutant("M28", "KV state: the growth restat at 8·S > 9·slen instead of ≥", "apa_emu/kvstate.py",
+           "    elif 8 * S >= 9 * state.stats_length:", "    elif 8 * S > 9 * state.stats_length:",
+           ("tests/test_kvstate.py",)),
+    Mutant("M29", "KV state: a frozen chunk computes its own statistics", "apa_emu/api.py",
+           "stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))", "stats=None)",
+           ("tests/test_kvstate.py",)),
+    Mutant("K12", "kernel launcher, KV state: a frozen chunk's statistics never reach the device", "apa_gpu/plan.py",
+           "            self.kmean[...] = xp.asarray(stats.kmean)\n", "", SIM),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a rename: an interrupt leaves the old or the new file, never
+    a truncated one (a source emptied mid-write would be lost work)."""
+    tmp = path.with_name(path.name + ".mutant-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run(m: Mutant) -> tuple[str, float, str]:
@@ -127,13 +144,13 @@ def run(m: Mutant) -> tuple[str, float, str]:
     original = path.read_text()
     if original.count(m.old) != 1:
         return "STALE", 0.0, f"the text to replace occurs {original.count(m.old)} times in {m.file}"
-    path.write_text(original.replace(m.old, m.new))
+    _replace(path, original.replace(m.old, m.new))
     t0 = time.time()
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
                            cwd=ROOT, capture_output=True, text=True)
     finally:
-        path.write_text(original)
+        _replace(path, original)
     failed = [line.split(" - ")[0].removeprefix("FAILED ") for line in r.stdout.splitlines()
               if line.startswith("FAILED")]
     verdict = "killed" if r.returncode != 0 else "SURVIVED"

@@ -20,6 +20,7 @@ import numpy as np
 from ..config import CHOICES, Config
 from ..trace import VISIT_FIELDS
 from .check import SCHEDULES, check_dump, check_generated, require_gpu
+from .chunked import chunked_study
 from .dump import HEAD_DIMS, builtin_dump_path, read_dump
 from .engine import BACKENDS, select_engine
 from .plots import plot_heatmap, plot_pair, plot_sweep
@@ -351,6 +352,25 @@ def cmd_sweep(args):
         say(f"plot: {png}")
 
 
+_CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "violations"]
+
+
+def cmd_chunked(args):
+    jobs, cfg, engine, reports = _study(args, lambda jobs, cfg, engine, prog: [
+        chunked_study(job.dump, cfg, args.chunk, engine, progress=prog) for job in jobs])
+    rows = []
+    for job, r in zip(jobs, reports):
+        frozen = sum(x == "" for head in r.reasons for x in head)
+        for side in ("whole", "chunked"):
+            got = getattr(r, side)
+            rows.append([job.name, side, *((1, "", "") if side == "whole" else (r.chunks, r.restats, frozen)),
+                         *(got[c] for c in _CHUNKED)])
+    title = (f"{_named(jobs, 'apa chunked')} ({engine.name}, eps={cfg.eps}): whole-prompt prefill against chunks of "
+             f"{args.chunk} query rows through a KV state (§5.9), every pair vs float64")
+    emit(args.json, _payload(jobs, cfg, engine, per_dump=_per_dump(jobs, (r.to_json() for r in reports))),
+         [table(title, ["dump", "prefill", "chunks", "restats", "frozen (chunk, KV head)", *_CHUNKED], rows)])
+
+
 def cmd_headroom(args):
     jobs, cfg, engine, hs = _study(args, lambda jobs, cfg, engine, prog: headroom_jobs(jobs, cfg, engine,
                                                                                        progress=prog))
@@ -621,6 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
     selection(p)
     p.add_argument("--plot", default="apa_sweep.png",
                    help="PNG of min cosine against hot share, the accuracy-cost frontier ('' for none)")
+
+    p = study("chunked", "chunked prefill through a KV state against whole-prompt prefill: hot share and cosines",
+              cmd_chunked, "Each chunk sees the keys up to its last row; later chunks reuse the first chunk's K "
+              "mean and head scales until the context grows 1.125x (numerics.md §5.9).")
+    p.add_argument("--chunk", type=_count, default=512, metavar="C", help="query rows per chunk")
+    eps(p)
 
     p = sub.add_parser("check", help="the GPU kernel against the emulator, bitwise (for edits to cuda/)",
                        formatter_class=_Help, epilog=_config_epilog(),

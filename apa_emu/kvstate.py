@@ -1,0 +1,106 @@
+"""Chunked prefill with a KV state (numerics.md §5.9): the statistics a long prompt's chunks share.
+
+``begin`` checks a call against its state and decides, as the spec does, whether it restats or runs
+frozen on the state's statistics; ``finish`` records what the call left. Both take the array module
+of the inputs (NumPy or CuPy), so the emulator and the kernel's launcher decide the same way on the
+same bits, and nothing but a few numbers ever leaves the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+F32 = np.float32
+QMAX = F32(2688)  # the largest NVFP4 value, 6·448 (§5.9 overflow)
+FINGER_CHANNELS = 16
+
+
+class Stats(NamedTuple):
+    """§5.1–5.2 statistics per (b, hk): kmean [B, Hkv, d], kg and vg [B, Hkv], binary32."""
+
+    kmean: np.ndarray
+    kg: np.ndarray
+    vg: np.ndarray
+
+
+@dataclass
+class KVState:
+    """What a chunk leaves for the next (§5.9). Start with ``KVState()`` and pass the same object to
+    every chunk of one prompt; the call updates it. ``restats`` and ``chunks`` count the calls."""
+
+    length: int = 0  # len: keys of the previous call
+    stats_length: int = 0  # slen: keys the statistics were made for
+    stats: Stats | None = None  # host arrays
+    fingerprint: np.ndarray | None = None  # uint16 [3, 16]
+    chunks: int = 0
+    restats: int = 0
+    last: str = ""  # why the last call restatted ("" when it ran frozen)
+    history: list = field(default_factory=list)  # (S, reason) per call
+
+    def __repr__(self) -> str:
+        return (f"KVState(length={self.length}, stats_length={self.stats_length}, chunks={self.chunks}, "
+                f"restats={self.restats}, last={self.last!r})")
+
+
+def _fingerprint(k, S: int, xp) -> np.ndarray:
+    """K[b 0, s, hk 0, channels 0..15] at s = 0, S div 2, S − 1, as FP16 bits (k batched [B, S, Hkv, d])."""
+    x = k[0, [0, S // 2, S - 1], 0, :FINGER_CHANNELS]
+    return np.array(x if xp is np else xp.asnumpy(x)).view(np.uint16)
+
+
+def _overflows(k, v, first: int, stats: Stats, xp) -> bool:
+    """§5.9: whether a key first .. S − 1 exceeds 2688 under the frozen statistics, in K or V."""
+    kmean = xp.asarray(stats.kmean)[:, None]  # [B, 1, Hkv, d]
+    inv_kg = (F32(1) / xp.asarray(stats.kg))[:, None, :, None]
+    inv_vg = (F32(1) / xp.asarray(stats.vg))[:, None, :, None]
+    xk = (k[:, first:].astype(F32) - kmean) * inv_kg
+    xv = v[:, first:].astype(F32) * inv_vg
+    return bool((xp.abs(xk) > QMAX).any()) or bool((xp.abs(xv) > QMAX).any())
+
+
+def begin(state, k, v, n: int, q_offset: int, xp=np) -> Stats | None:
+    """Check a call (k, v batched [B, S, Hkv, d], validated) against ``state``; the frozen statistics,
+    or None when the call restats. Records the reason in ``state.last``."""
+    if not isinstance(state, KVState):
+        raise ValueError(f"kv_state: expected an apa_emu.KVState, got {type(state).__name__}")
+    B, S, Hkv, d = k.shape
+    if state.length and q_offset != state.length:
+        raise ValueError(f"kv_state: the chunk starts at q_offset={q_offset}, but the state holds {state.length} "
+                         f"keys; a chunk must follow the state (pass a new KVState() to start a prompt)")
+    if S != q_offset + n:
+        raise ValueError(f"kv_state: k has {S} keys, but a chunk of {n} rows at q_offset={q_offset} needs "
+                         f"{q_offset + n} (the context so far, this chunk's keys last)")
+    if state.stats is not None and state.stats.kmean.shape != (B, Hkv, d):
+        raise ValueError(f"kv_state: the state's statistics are for (batch, kv heads, d) = "
+                         f"{state.stats.kmean.shape}, this call has {(B, Hkv, d)}")
+    if state.length == 0:
+        reason = "first"
+    elif 8 * S >= 9 * state.stats_length:
+        reason = "growth"
+    elif not np.array_equal(_fingerprint(k, state.length, xp), state.fingerprint):
+        reason = "fingerprint"
+    elif _overflows(k, v, state.length, state.stats, xp):
+        reason = "overflow"
+    else:
+        reason = ""
+    state.last = reason
+    return None if reason else state.stats
+
+
+def finish(state: KVState, k, stats: Stats, xp=np) -> None:
+    """After the call: len = S and its fingerprint; on a restat, ``stats`` (the call's own) and slen."""
+    S = k.shape[1]
+    if state.last:
+        state.stats = Stats(*(np.array(x, F32) for x in stats))
+        state.stats_length = S
+        state.restats += 1
+    state.history.append((S, state.last))
+    state.length = S
+    state.fingerprint = _fingerprint(k, S, xp)
+    state.chunks += 1
+
+
+__all__ = ["KVState", "Stats", "begin", "finish"]
