@@ -39,6 +39,7 @@ class KVState:
     restats: int = 0
     last: str = ""  # why the last call restatted ("" when it ran frozen)
     history: list = field(default_factory=list)  # (S, reason) per call
+    cache: object = field(default=None, repr=False, compare=False)  # an implementation's (the kernel's key images)
 
     def __repr__(self) -> str:
         return (f"KVState(length={self.length}, stats_length={self.stats_length}, chunks={self.chunks}, "
@@ -94,7 +95,7 @@ def finish(state: KVState, k, stats: Stats, xp=np) -> None:
     """After the call: len = S and its fingerprint; on a restat, ``stats`` (the call's own) and slen."""
     S = k.shape[1]
     if state.last:
-        state.stats = Stats(*(np.array(x, F32) for x in stats))
+        state.stats = Stats(*(np.array(x, F32) for x in stats))  # (a cache holds images under these now)
         state.stats_length = S
         state.restats += 1
     state.history.append((S, state.last))

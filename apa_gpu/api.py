@@ -15,10 +15,10 @@ from apa_emu.geometry import TILE, Shape
 from apa_emu import kvstate, varlen
 from apa_emu.kvstate import KVState
 from apa_emu.paging import check_pages, gather, unpage
-from apa_emu.prep import slot_keys
+from apa_emu.prep import KV_STATS, slot_keys
 
 from . import device
-from .plan import Plan, check_config
+from .plan import KVImages, Plan, check_config
 
 
 def available() -> bool:
@@ -123,16 +123,20 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     if seqs is None:
         shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
     be = device.backend()
-    frozen = None if kv_state is None else kvstate.begin(kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
+    frozen = images = None
+    from_tile = 0
+    if kv_state is not None:
+        frozen = kvstate.begin(kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
+        images, from_tile = _state_images(kv_state, frozen is not None, shape, cfg)
     plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"),
-                seqs)
-    plan.run(qd, kd, vd, pages, frozen)
+                seqs, images)
+    plan.run(qd, kd, vd, pages, frozen, from_tile)
     if kv_state is not None:
         kvstate.finish(kv_state, kd, plan.stats(), be.xp)
     be.synchronize()
     out = be.xp.asnumpy(plan.out).view(np.float16)
     bound = be.xp.asnumpy(plan.bound)
-    hot = be.xp.asnumpy(plan.hot)
+    hot = be.xp.asnumpy(plan.hot)[..., :shape.W]
     visits, rows = plan.trace_arrays()
     return Result(
         out=out[0] if squeeze else out,
@@ -145,6 +149,20 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         rows=rows,
         meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, device="gpu"),
     )
+
+
+def _state_images(state: KVState, frozen: bool, shape: Shape, cfg: Config) -> tuple[KVImages, int]:
+    """The KV state's device key images for this chunk and the first tile prep must form (§5.9): a
+    frozen chunk forms only the tiles from the previous call's last complete one on; a restat, a
+    changed config or a context past the images' room forms them all (in images with twice the room)."""
+    images = state.cache
+    fits = images is not None and images.key == KVImages.key_of(shape, cfg)
+    if not fits or shape.S > images.tiles * TILE:
+        room = max(2 * shape.S, 2 * images.tiles * TILE if fits else 0)
+        images = state.cache = KVImages(shape, cfg, room, len(KV_STATS))
+    if not frozen:
+        images.held = 0  # until prep has formed them under the new statistics
+    return images, min(images.held, state.length // TILE)
 
 
 def _image_index(rows: int, cols: int) -> np.ndarray:

@@ -77,7 +77,7 @@ class Struct:
 
 # cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
 GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32),
-                                   ("window", I32), ("cu_q", PTR), ("cu_k", PTR)])
+                                   ("window", I32), ("S_buf", I32), ("cu_q", PTR), ("cu_k", PTR)])
 
 # cuda/prep.cuh KvPages: paged KV (§5.0); a null table is the contiguous layout.
 KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", I32)])
@@ -89,7 +89,7 @@ PREP = Struct("PrepParams", [
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
     ("kimg", PTR), ("vimg", PTR), ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32),
+    ("interleaved", I32), ("from_tile", I32),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.

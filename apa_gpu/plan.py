@@ -38,15 +38,40 @@ def _q_mode(cfg: Config) -> int:
     return 1 if cfg.q_format == "fp8" else 0
 
 
+class KVImages:
+    """Prep's per-(b, hk) key images (cuda/prep.cuh): K̂, V̂ᵀ, pass 2's FP16 K and V, ν (§5.8) and the
+    certificate maxima (§5.7), with room for ``tiles`` tiles. A call forms its own; a KV state (§5.9)
+    keeps one across chunks, valid for ``key`` (the sizes and toggles prep read) and the state's
+    statistics, its first ``held`` tiles complete."""
+
+    ARRAYS = ("khat", "vhat", "kimg", "vimg", "nu", "kvstat")
+
+    def __init__(self, shape: Shape, cfg: Config, keys: int, kv_stats: int):
+        xp = device.backend().xp
+        B, Hkv, d = shape.B, shape.Hkv, shape.d
+        self.key = self.key_of(shape, cfg)
+        self.tiles = cdiv(keys, TILE)
+        self.held = 0
+        self.khat, self.vhat, self.kimg, self.vimg = (xp.empty((B, Hkv, self.tiles, TILE * d), np.uint16)
+                                                      for _ in range(4))
+        self.nu = xp.empty((B, Hkv, self.tiles, TILE), np.uint16) if cfg.hot_test == "output" else None
+        self.kvstat = xp.zeros((B, Hkv, kv_stats), np.uint32)
+
+    @staticmethod
+    def key_of(shape: Shape, cfg: Config) -> tuple:
+        return (shape.B, shape.Hkv, shape.d, cfg.quant_k, cfg.quant_v, cfg.block_scale, cfg.p_groups, cfg.hot_test)
+
+
 class Plan:
     """Device buffers and launch parameters of one (shape, config, trace request).
 
     ``seqs``: a varlen batch (apa_emu.varlen.Seqs, §6.6), launched at once: ``shape`` is then the
     longest sequence's sizes (B = the sequences), which size the per-(b, hk) buffers, and the kernels
-    read each sequence's own from cu_seqlens (cuda/common.cuh Geom)."""
+    read each sequence's own from cu_seqlens (cuda/common.cuh Geom). ``images``: a KV state's key
+    images (§5.9), used in place of the call's own."""
 
     def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate",
-                 seqs: Seqs | None = None):
+                 seqs: Seqs | None = None, images: KVImages | None = None):
         check_config(cfg, shape.d)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -71,16 +96,13 @@ class Plan:
         self.cq = xp.empty((B, Hkv, s.Rp), np.float32)
         self.sh = xp.empty((B, Hkv, s.Rp), np.float32)
         self.qstat = xp.empty((B, Hkv, s.Rp, 3), np.float32)
-        self.kvstat = xp.zeros((B, Hkv, lay.kv_stats), np.uint32)
-        self.khat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # tile images (cuda/prep.cuh)
-        self.vhat = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
-        self.kimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)  # FP16 tile images for pass 2
-        self.vimg = xp.empty((B, Hkv, s.ntiles, TILE * d), np.uint16)
         self.output = cfg.hot_test == "output"
-        self.nu = xp.empty((B, Hkv, s.ntiles, TILE), np.uint16) if self.output else None  # §5.8
+        self.images = images or KVImages(s, cfg, s.S, lay.kv_stats)  # a KV state's, or this call's own
+        for name in KVImages.ARRAYS:
+            setattr(self, name, getattr(self.images, name))
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
         self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
-        self.hot = xp.zeros((B, Hkv, s.nw, s.W), np.uint32)
+        self.hot = xp.zeros((B, Hkv, s.nw, cdiv(self.images.tiles, 32)), np.uint32)  # strided by the images' tiles
         self.entries = None if seqs is None else seqs.shapes(s.H, s.Hkv, d, s.window)
         rows = (B, s.n) if seqs is None else (int(seqs.cq[-1]),)  # varlen: packed [total_q, ...]
         self.out = xp.empty((*rows, s.H, d), np.uint16)
@@ -88,8 +110,8 @@ class Plan:
         self.counters = xp.zeros(4, np.uint32)
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
         cu = (None, None) if seqs is None else (xp.asarray(seqs.cq.astype(np.int32)), xp.asarray(seqs.ck.astype(np.int32)))
-        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0, cu_q=cu[0],
-                          cu_k=cu[1])
+        self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0,
+                          S_buf=self.images.tiles * TILE, cu_q=cu[0], cu_k=cu[1])
         self._trace_setup(xp)
 
     def entry(self, b: int) -> Shape:
@@ -133,11 +155,11 @@ class Plan:
     def _launch(self, name, grid, block, params, smem=0):
         device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
 
-    def prep(self, q, k, v, pages=None, stats=None):
+    def prep(self, q, k, v, pages=None, stats=None, from_tile=0):
         """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous), or page
         pools [pages, page_size, Hkv, d] with ``pages`` = (device int32 block table [B, max_pages],
         page_size) (§5.0). ``stats``: a frozen chunk's statistics (apa_emu.kvstate.Stats, §5.9), which
-        replace §5.1–5.2."""
+        replace §5.1–5.2; ``from_tile``: the key images below it are the KV state's, formed under them."""
         s, cfg, lay = self.shape, self.cfg, self.layout
         table, page_size = pages if pages is not None else (None, 0)
         kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
@@ -146,10 +168,11 @@ class Plan:
                  vhat=self.vhat, kimg=self.kimg,
                  vimg=self.vimg, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
                  quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-                 interleaved=cfg.p_groups == "interleaved")
+                 interleaved=cfg.p_groups == "interleaved", from_tile=from_tile)
         self.ksum.fill(0)
         self.amax.fill(0)
-        self.kvstat.fill(0)
+        if from_tile == 0:
+            self.kvstat.fill(0)  # else the maxima over the held tiles' keys, which the new ones extend
         nb, bhd = s.d // 16, (s.Hkv, s.B)
         xp = device.backend().xp
         if stats is None:
@@ -159,11 +182,12 @@ class Plan:
             self.kmean[...] = xp.asarray(stats.kmean)
             self.scales[...] = xp.asarray(np.stack([stats.kg, stats.vg], axis=-1))
         self._launch("apa_prep_q", (cdiv(s.Rp * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_k", (cdiv(s.ntiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_v", (cdiv(s.ntiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_kv16", (cdiv(s.ntiles * TILE * (s.d // 8), PREP_THREADS), *bhd),
-                     PREP_THREADS, p)
-        self._launch("apa_prep_cert", (s.ntiles, *bhd), lay.cert_threads, p)
+        tiles = s.ntiles - from_tile
+        self._launch("apa_prep_k", (cdiv(tiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_v", (cdiv(tiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_kv16", (cdiv(tiles * TILE * (s.d // 8), PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_cert", (tiles, *bhd), lay.cert_threads, p)
+        self.images.held = s.S // TILE
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
@@ -200,8 +224,8 @@ class Plan:
         scales = xp.asnumpy(self.scales)
         return Stats(xp.asnumpy(self.kmean), scales[..., 0], scales[..., 1])
 
-    def run(self, q, k, v, pages=None, stats=None):
-        self.prep(q, k, v, pages, stats)
+    def run(self, q, k, v, pages=None, stats=None, from_tile=0):
+        self.prep(q, k, v, pages, stats, from_tile)
         self.attend(q)
         return self.out
 

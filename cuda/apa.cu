@@ -45,6 +45,7 @@ struct PrepParams {
     int quant_v;
     int lsq;
     int interleaved;
+    int from_tile;              // the first tile prep_k, _v, _kv16, _cert form: those below are a KV state's (§5.9)
 };
 
 // A prep step that reads K or V, instantiated for the layout (prep.cuh kv_row): one uniform branch.
@@ -85,16 +86,17 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.quant_k != 0, p.lsq != 0,
-                  p.interleaved != 0);
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.from_tile, p.quant_k != 0,
+                  p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.quant_v != 0, p.lsq != 0, p.interleaved != 0);
+    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.from_tile, p.quant_v != 0,
+                  p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz, blockIdx.z));
+    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz, blockIdx.z), p.from_tile);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
@@ -103,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
     APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
-                  p.interleaved != 0);
+                  p.from_tile, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -191,7 +193,7 @@ APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),
-                  APA_FIELD(GeomSizes, cu_q), APA_FIELD(GeomSizes, cu_k));
+                  APA_FIELD(GeomSizes, S_buf), APA_FIELD(GeomSizes, cu_q), APA_FIELD(GeomSizes, cu_k));
 APA_PARAMS_LAYOUT(KvPages, APA_FIELD(KvPages, table), APA_FIELD(KvPages, page_size),
                   APA_FIELD(KvPages, max_pages));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
@@ -202,7 +204,7 @@ APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
                   APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
-                  APA_FIELD(PrepParams, interleaved));
+                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, from_tile));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
                   APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
                   APA_FIELD(Pass1Args, part),

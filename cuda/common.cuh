@@ -38,6 +38,7 @@ constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek,
 struct GeomSizes {
     int n, H, Hkv, S, q_offset;
     int window;  // sliding window of W keys (§6.1); 0: full causal
+    int S_buf;   // keys the per-(b, hk) K and V images have room for (a KV state's, §5.9); 0: S
     // A varlen batch (§6.6): sequence b has rows cu_q[b] .. cu_q[b+1]-1 of q and keys cu_k[b] ..
     // cu_k[b+1]-1 of k and v; n and S are then the longest sequence's, which size the per-(b, hk)
     // buffers. Null: every batch entry has n rows and S keys.
@@ -56,14 +57,15 @@ struct Geom {
     int W;      // hot-mask words per warp: ceil(ntkv / 32)
     long long q0, k0;  // entry b's first row of q, out and bound, and first key of k and v
     // The strides of the per-(b, hk) buffers (prep images, part, ml, hot, trace bases): the sizes
-    // of GeomSizes' n and S, which differ from the entry's own in a varlen batch only.
+    // of GeomSizes' n and S (or S_buf), which differ from the entry's own in a varlen batch or under a
+    // KV state only.
     int Rp_buf, ntkv_buf, nw_buf, W_buf;
 
     __device__ __forceinline__ Geom(const GeomSizes& s, int b)
         : H(s.H), Hkv(s.Hkv), G(s.H / s.Hkv), window(s.window) {
         nw_buf = (s.n * G + 15) / 16;
         Rp_buf = 16 * nw_buf;
-        ntkv_buf = (s.S + TILE - 1) / TILE;
+        ntkv_buf = ((s.S_buf ? s.S_buf : s.S) + TILE - 1) / TILE;
         W_buf = (ntkv_buf + 31) / 32;
         if (s.cu_q) {  // §6.6: bottom-right causal within the sequence
             q0 = s.cu_q[b];

@@ -64,15 +64,16 @@ __device__ __forceinline__ void kv_rows(long long* rows, const KvPages& p, const
         rows[i] = key0 + i < g.S ? kv_row<PAGED>(p, g, b, key0 + i, hk) : -1;
 }
 
-// A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x.
+// A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x,
+// from ``base`` (the elements of the tiles a KV state already holds, §5.9, are not launched).
 struct PrepThread {
     int b, hk;
     size_t bh;
     long long idx;
 };
-__device__ __forceinline__ PrepThread prep_thread(const Geom& g) {
+__device__ __forceinline__ PrepThread prep_thread(const Geom& g, long long base = 0) {
     const int b = blockIdx.z, hk = blockIdx.y;
-    return {b, hk, (size_t)b * g.Hkv + hk, (long long)blockIdx.x * blockDim.x + threadIdx.x};
+    return {b, hk, (size_t)b * g.Hkv + hk, base + (long long)blockIdx.x * blockDim.x + threadIdx.x};
 }
 
 // §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
@@ -151,9 +152,10 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
 template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
-                                       const KvPages& pg, const Geom& g, bool quant, bool lsq, bool interleaved) {
+                                       const KvPages& pg, const Geom& g, int from_tile, bool quant, bool lsq,
+                                       bool interleaved) {
     constexpr int NB = D / 16;
-    const auto [b, hk, bh, idx] = prep_thread(g);
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * TILE * NB);
     if (idx >= (long long)g.ntkv * TILE * NB) return;
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
     if (row / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
@@ -197,9 +199,9 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 // (tile, group, channel): grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
 template <bool PAGED>
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
-                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, bool quant,
-                                       bool lsq, bool interleaved) {
-    const auto [b, hk, bh, idx] = prep_thread(g);
+                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, int from_tile,
+                                       bool quant, bool lsq, bool interleaved) {
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * 4 * D);
     if (idx >= (long long)g.ntkv * 4 * D) return;
     const int c = (int)(idx % D);
     const int grp = (int)((idx / D) % 4);
@@ -254,9 +256,9 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
 template <bool PAGED>
 __device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const KvPages& pg,
-                                          const Geom& g) {
+                                          const Geom& g, int from_tile) {
     constexpr int CH = D / 8;
-    const auto [b, hk, bh, idx] = prep_thread(g);
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * TILE * CH);
     if (idx >= (long long)g.ntkv * TILE * CH) return;
     const int key = (int)(idx / CH), c = (int)(idx % CH);
     if (key / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
@@ -369,7 +371,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 
 // §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys lo₀ ≤ s < S of
 // norms in channel order. One block of CERT_THREADS = 64 threads per tile, thread j the tile's slot j
-// (key 64t + slot_key(j)): grid (ntkv, Hkv, B). The tile's K rows and K̂ image, then its V rows and
+// (key 64t + slot_key(j)): grid (ntkv − from_tile, Hkv, B). The tile's K rows and K̂ image, then its V rows and
 // V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
 // threads' row reads hit distinct banks); each thread then sums its key's channels in order. K̂ and V̂
 // are read back from their images, so they are the values pass 1 multiplies; y is recomputed as
@@ -383,13 +385,13 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
                                           unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu,
-                                          const KvPages& pg, const Geom& g,
+                                          const KvPages& pg, const Geom& g, int from_tile,
                                           bool interleaved) {
     __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
     __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
     uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
-    const int b = blockIdx.z, hk = blockIdx.y, tile = blockIdx.x, j = threadIdx.x;
+    const int b = blockIdx.z, hk = blockIdx.y, tile = from_tile + blockIdx.x, j = threadIdx.x;
     if (tile < g.first_tile(0) || tile >= g.ntkv) return;  // the whole block: below every window (§5.5), or
                                                             // past a shorter varlen sequence's keys
     const size_t bh = (size_t)b * g.Hkv + hk;

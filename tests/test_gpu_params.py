@@ -20,7 +20,7 @@ class _Buf:
         self.addr = addr
 
 
-INTS = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0)
+INTS = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0, S_buf=640)
 SIZES = INTS | dict(cu_q=None, cu_k=_Buf(0x9000))  # a null and a set pointer, each in its own field
 
 

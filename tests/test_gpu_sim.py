@@ -122,18 +122,19 @@ SCRIPT = textwrap.dedent(
     run_varlen(31, [(70, 520), (4, 90)], 4, 2, 128, Config(eps=0.02, hot_test="output"), schedule="fused",
                window=300)
 
-    # Chunked prefill (§5.9): a first chunk, a frozen one (the first chunk's statistics, prep's stats
-    # launches skipped), a growth restat; both sides keep their own KV state.
+    # Chunked prefill (§5.9): frozen chunks (the state's statistics; prep forms only the tiles from the
+    # last complete one on), growth restats, one of them past the key images' room; both sides keep
+    # their own KV state.
     from apa_emu import KVState
-    q, k, v = make_inputs(40, 1, 700, 1, 3, 64, 700, "sink", batched=False)
+    q, k, v = make_inputs(40, 1, 760, 1, 3, 64, 760, "sink", batched=False)
     se, sg, start = KVState(), KVState(), 0
-    for end in (600, 640, 700):
+    for end in (100, 110, 250, 270, 700, 720, 760):
         e = apa_emu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=se, trace="all")
         g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all")
         div = first_divergence(e, g)
         assert div is None and se.history == sg.history, f"chunk {start}..{end} {sg}: " + describe(div or {})
         start = end
-    assert [r for _, r in sg.history] == ["first", "", "growth"], sg.history
+    assert [r for _, r in sg.history] == ["first", "", "growth", "", "growth", "", ""], sg.history
     print("ok chunks", sg, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
     """
 )

@@ -14,6 +14,7 @@ warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
     python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
+    python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --chunk 256   # a frozen chunk vs a fresh call
 """
 
 from __future__ import annotations
@@ -237,6 +238,34 @@ def bench_cudnn_varlen(q, k, v, seqs, scale, reps):
         return _time(run, reps), detail
 
 
+def bench_chunked(q, k, v, q_offset, cfg, reps, chunk):
+    """The last ``chunk`` query rows as a frozen chunk (numerics.md §5.9) of a KV state made by the rows
+    before them, against the same rows as a fresh call, in one run: whole ``apa_gpu.attention`` calls
+    (host work included). The frozen chunk's prep forms only the tiles from the state's last complete
+    one on and skips the statistics. Returns (frozen ms, fresh ms)."""
+    import cupy as cp
+
+    import apa_gpu
+    from apa_emu import KVState
+
+    a = q.shape[0] - chunk
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    state = KVState()
+    apa_gpu.attention(qd[:a], kd[:q_offset + a], vd[:q_offset + a], q_offset, cfg, kv_state=state)
+    saved = dict(vars(state), history=list(state.history))
+    held = state.cache.held
+
+    def frozen():  # the same chunk again on the same state: restore what the last call advanced
+        vars(state).update(saved, history=list(saved["history"]))
+        state.cache.held = held
+        apa_gpu.attention(qd[a:], kd, vd, q_offset + a, cfg, kv_state=state)
+
+    frozen()
+    if state.last:
+        raise AssertionError(f"chunked: the chunk restatted ({state.last}); take a smaller --chunk")
+    return _time(frozen, reps), _time(lambda: apa_gpu.attention(qd[a:], kd, vd, q_offset + a, cfg), reps)
+
+
 def bench_sdpa(q, k, v, reps):
     """torch SDPA, lower-right causal, flash and cuDNN backends; GQA via enable_gqa when the backend
     takes it, else K/V expanded to every query head outside the timing."""
@@ -345,6 +374,8 @@ def main(argv=None) -> int:
                     "pool of this page size (numerics.md §5.0), against the contiguous layout")
     ap.add_argument("--varlen", nargs="*", metavar="ROWS:KEYS", help="also time one varlen batch of these "
                     "sequences (numerics.md §6.6) in one launch, against launching them one by one and cuDNN ragged")
+    ap.add_argument("--chunk", type=int, help="also time the last CHUNK rows as a frozen chunk of a KV state "
+                    "(numerics.md §5.9) against the same rows as a fresh call")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -367,7 +398,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    windows, paged = [], []
+    windows, paged, chunked = [], [], []
     for S in args.keys:
         t0 = time.time()
         dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
@@ -400,6 +431,10 @@ def main(argv=None) -> int:
                            f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
                            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
+        if args.chunk:
+            t_frozen, t_fresh = bench_chunked(q, k, v, dump.q_offset, exact_cfg, args.reps, args.chunk)
+            chunked.append(f"| {S} | {args.chunk} | {t_frozen:.3f} | {t_fresh:.3f} | {t_fresh / t_frozen:.2f} |")
+            print(chunked[-1], flush=True)
         if args.page_size:
             (c_prep, c_attn, p_prep, p_attn), (kc, kp) = bench_paged(q, k, v, dump.q_offset, exact_cfg, args.reps,
                                                                      args.page_size)
@@ -416,6 +451,11 @@ def main(argv=None) -> int:
                   "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
         print("\n".join(lines[-3:]), flush=True)
+    if chunked:
+        lines += ["", "Chunked prefill (bit-exact build): the last rows as a frozen chunk of a KV state against the "
+                  "same rows as a fresh call, whole apa_gpu.attention calls (host work, prep and attention):", "",
+                  "| keys | chunk rows | frozen chunk | fresh call | fresh / frozen |", "|---:|---:|---:|---:|---:|",
+                  *chunked]
     if paged:
         lines += ["", "Paged KV (shuffled pages) against the contiguous layout, bit-exact build, outputs bitwise "
                   "equal:", "", "| keys | page size | prep contiguous | prep paged | attn contiguous | attn paged "

@@ -126,6 +126,9 @@ MUTANTS = [
            ("tests/test_kvstate.py",)),
     Mutant("K12", "kernel launcher, KV state: a frozen chunk's statistics never reach the device", "apa_gpu/plan.py",
            "            self.kmean[...] = xp.asarray(stats.kmean)\n", "", SIM),
+    Mutant("K13", "kernel launcher, KV state: a frozen chunk keeps the partial last tile instead of re-forming it",
+           "apa_gpu/api.py", "min(images.held, state.length // TILE)", "min(images.held + 1, state.length // TILE + 1)",
+           SIM),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
