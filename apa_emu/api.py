@@ -83,7 +83,8 @@ def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, boo
     if int(q_offset) + n - 1 > MAX_POSITION:
         raise ValueError(f"q_offset: {q_offset} puts query positions past {MAX_POSITION} (int32 positions)")
     for name, x in (("q", qb), ("k", kb), ("v", vb)):
-        bad = ~np.isfinite(x)
+        # all strides zero: one value seen everywhere (apa_gpu's stand-ins for device arrays it checked)
+        bad = ~np.isfinite(x if any(x.strides) else x[(slice(0, 1),) * x.ndim])
         if bad.any():
             idx = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(f"{name}: non-finite value {x[idx]} at index {idx if not squeeze else idx[1:]}")
