@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from apa_emu.config import Config
 
+from .build import SUPPORTED_D
+
 STRUCTURES = ("normal", "sink", "diffuse", "outliers", "channel", "tiny", "extreme")
 
 
@@ -80,7 +82,7 @@ def paginate(k, v, page_size, seed):
 
 @st.composite
 def problems(draw):
-    d = draw(st.sampled_from([64, 128]))
+    d = draw(st.sampled_from(SUPPORTED_D))
     Hkv = draw(st.integers(1, 2))
     G = draw(st.sampled_from([1, 2, 3, 4, 6]))
     batched = draw(st.booleans())

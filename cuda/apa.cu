@@ -1,6 +1,6 @@
 // apa.cu: kernel entry points of the APA attention (docs/numerics.md), one cubin per build variant.
 //
-// Build variants (-D, see apa_gpu/build.py): APA_D (64 | 128), APA_TRACE (0 | 1), APA_P2_F32
+// Build variants (-D, see apa_gpu/build.py): APA_D (64 | 128 | 256), APA_TRACE (0 | 1), APA_P2_F32
 // (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:

@@ -5,10 +5,10 @@
 #include "fpmath.cuh"
 
 #ifndef APA_D
-#error "APA_D (head dim, 64 or 128) must be defined by the build"
+#error "APA_D (head dim, 64, 128 or 256) must be defined by the build"
 #endif
-#if APA_D != 64 && APA_D != 128
-#error "APA_D must be 64 or 128"
+#if APA_D != 64 && APA_D != 128 && APA_D != 256
+#error "APA_D must be 64, 128 or 256"
 #endif
 #ifndef APA_TRACE
 #define APA_TRACE 0
@@ -28,7 +28,9 @@ namespace apa {
 
 constexpr int D = APA_D;
 constexpr int TILE = 64;              // keys per tile (§6.3)
-constexpr int WARPS = 12;             // warps per CTA (§6.2)
+// Warps per CTA (§6.2; no arithmetic depends on it). At D = 256 one warpgroup, so that a thread may
+// keep pass 1's o of its row pair, 128 binary32, in registers.
+constexpr int WARPS = D == 256 ? 4 : 12;
 constexpr int ROWS_PER_CTA = 16 * WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones

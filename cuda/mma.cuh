@@ -203,11 +203,14 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], WgOperand a, Wg
 // from an image: the cold P·V of pass 1.
 template <int NT>
 __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a)[4], WgOperand b) {
-    static_assert(NT == 8 || NT == 16, "N = 64 or 128");
+    static_assert(NT == 8 || NT == 16 || NT == 32, "N = 64, 128 or 256");
 #ifdef APA_SIM
     wg_sim_steps(acc, a, b);
 #else
-    if constexpr (NT == 8) {
+    if constexpr (NT == 32) {  // N = 256 (no such wgmma): the image's channels 0..127, then 128.. (16 KB on)
+        wgmma_rs(reinterpret_cast<float(&)[16][4]>(acc[0]), a, b);
+        wgmma_rs(reinterpret_cast<float(&)[16][4]>(acc[16]), a, b.plus(128 * TILE));
+    } else if constexpr (NT == 8) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"

@@ -43,7 +43,7 @@ constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_
 // then Q̂ as one image of 64 rows per warpgroup (mma.cuh sw128_half). The MMAs are wgmma (mma.cuh):
 // the 4 warps of a warpgroup share each K̂/V̂ᵀ operand read, and no fragment passes through
 // registers except P̂.
-constexpr int P1_STAGES = 5;
+constexpr int P1_STAGES = D == 256 ? 3 : 5;  // D = 256: stages of 64 KB, 3 and Q̂ fill shared memory
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
 constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 

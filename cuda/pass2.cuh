@@ -205,7 +205,7 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
 
 // Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
 // warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
-constexpr int P2_STAGES = 6;
+constexpr int P2_STAGES = D == 256 ? 3 : 6;
 constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
 constexpr int P2_SMEM_WORDS = 1 + WARPS;
 

@@ -24,6 +24,7 @@ from apa_emu.config import Config
 
 import apa_gpu
 from apa_gpu import device
+from apa_gpu.build import SUPPORTED_D
 from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
 from apa_gpu.strategies import STRUCTURES, configs, make_inputs, paginate, problems
 
@@ -89,7 +90,7 @@ def test_paged_kv_matches_emulator(problem, cfg, page_size, raw):
 
 @SETTINGS
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 200)), min_size=1, max_size=4), configs(),
-       st.sampled_from([64, 128]), st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
+       st.sampled_from(SUPPORTED_D), st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
 def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
     """A varlen batch (§6.6): sequences of different query and key lengths packed in one launch, bitwise,
     trace records (b = the sequence) and padded hot masks too."""
@@ -107,7 +108,7 @@ def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
 
 
 @SETTINGS
-@given(st.integers(16, 400), st.lists(st.integers(1, 60), min_size=1, max_size=4), configs(), st.sampled_from([64, 128]),
+@given(st.integers(16, 400), st.lists(st.integers(1, 60), min_size=1, max_size=4), configs(), st.sampled_from(SUPPORTED_D),
        st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
 def test_chunked_prefill_matches_emulator(first, chunks, cfg, d, structure, seed):
     """Chunked prefill (§5.9): the same chunks through a KV state on each side, bitwise (trace too),
@@ -234,7 +235,7 @@ def test_synthetic_llama_32k():
 
 
 @pytest.mark.hardware  # ex2.approx
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", SUPPORTED_D)
 def test_fast_mode_tolerance(d):
     """exp2 'fast' (hardware ex2.approx) against the emulator's fast model: not bitwise (numerics.md
     §2), so checked by tolerance and flip counts. Measured on the H200 (docs/gpu-log.md): rel. L2

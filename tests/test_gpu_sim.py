@@ -136,6 +136,11 @@ SCRIPT = textwrap.dedent(
         start = end
     assert [r for _, r in sg.history] == ["first", "", "growth", "", "growth", "", ""], sg.history
     print("ok chunks", sg, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
+
+    # Head dim 256: CTAs of one warpgroup, 3-stage rings, the P·V wgmma as two 128-channel halves.
+    run(50, 70, 3, 1, 700, 256, 640, Config(eps=0.05, p2_accum="f32"), sink=True)
+    run(51, 40, 2, 1, 300, 256, 260, Config(eps=0.02, hot_test="output", p_groups="interleaved"), sink=True,
+        schedule="fused")
     """
 )
 
@@ -146,7 +151,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 23, r.stdout
+    assert len(lines) == 25, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
