@@ -180,9 +180,12 @@ def prep_k(k16: np.ndarray, S: int, first_key: int, kmean: np.ndarray, kg: np.nd
 
 
 def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
-    """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile, keys in slot order (§7.3)."""
+    """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile (rounded to FP16 under ``v_f16``), keys in
+    slot order (§7.3)."""
     xv_t = v16_t[..., slot_keys(cfg.p_groups)]
     xv_t *= (F32(1) / vg)[:, None, None, None]
+    if cfg.v_f16:
+        xv_t = _f16(xv_t)
     return _pass1_operand(xv_t, cfg.quant_v, cfg, fp4, "v_codes_t", "v_scales_t")
 
 

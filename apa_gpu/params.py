@@ -89,7 +89,7 @@ PREP = Struct("PrepParams", [
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
     ("kimg", PTR), ("vimg", PTR), ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32), ("from_tile", I32),
+    ("interleaved", I32), ("v_f16", I32), ("from_tile", I32),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.

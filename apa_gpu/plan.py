@@ -59,7 +59,8 @@ class KVImages:
 
     @staticmethod
     def key_of(shape: Shape, cfg: Config) -> tuple:
-        return (shape.B, shape.Hkv, shape.d, cfg.quant_k, cfg.quant_v, cfg.block_scale, cfg.p_groups, cfg.hot_test)
+        return (shape.B, shape.Hkv, shape.d, cfg.quant_k, cfg.quant_v, cfg.block_scale, cfg.p_groups, cfg.hot_test,
+                cfg.v_f16)
 
 
 class Plan:
@@ -168,7 +169,7 @@ class Plan:
                  vhat=self.vhat, kimg=self.kimg,
                  vimg=self.vimg, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
                  quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-                 interleaved=cfg.p_groups == "interleaved", from_tile=from_tile)
+                 interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, from_tile=from_tile)
         self.ksum.fill(0)
         self.amax.fill(0)
         if from_tile == 0:

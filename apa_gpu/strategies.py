@@ -120,4 +120,5 @@ def configs(draw):
         p_groups=draw(st.sampled_from(["consecutive", "consecutive", "interleaved"])),
         scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
         hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
+        v_f16=draw(st.booleans()),
     )

@@ -45,6 +45,7 @@ struct PrepParams {
     int quant_v;
     int lsq;
     int interleaved;
+    int v_f16;                  // §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
     int from_tile;              // the first tile prep_k, _v, _kv16, _cert form: those below are a KV state's (§5.9)
 };
 
@@ -92,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_consta
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
     APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.from_tile, p.quant_v != 0,
-                  p.lsq != 0, p.interleaved != 0);
+                  p.lsq != 0, p.interleaved != 0, p.v_f16 != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
@@ -204,7 +205,8 @@ APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
                   APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
-                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, from_tile));
+                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16),
+                  APA_FIELD(PrepParams, from_tile));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
                   APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
                   APA_FIELD(Pass1Args, part),

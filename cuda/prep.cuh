@@ -200,7 +200,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 template <bool PAGED>
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, int from_tile,
-                                       bool quant, bool lsq, bool interleaved) {
+                                       bool quant, bool lsq, bool interleaved, bool v_f16) {
     const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * 4 * D);
     if (idx >= (long long)g.ntkv * 4 * D) return;
     const int c = (int)(idx % D);
@@ -220,6 +220,7 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
         const int kk = slot_key(16 * grp + i, interleaved);
         if (t * TILE + kk < g.S) {
             x[i] = fmul(f32h(h_from_bits(kv_at<PAGED>(v, rows[kk], c))), inv);
+            if (v_f16) x[i] = f32h(f16(x[i]));  // the seed's f16(v/vg) (§5.5)
             any = true;
         } else {
             x[i] = 0.0f;

@@ -455,3 +455,22 @@ def test_gqa_packing_follows_the_spec():
         for r in range(n * G):
             assert np.array_equal(packed[hk, r], q[r // G, hk * G + r % G])
     assert np.array_equal(unpack_rows(packed, n, G), q)
+
+
+def test_v_f16_rounds_the_scaled_value_to_fp16():
+    """§5.5 ``v_f16`` (the seed's f16(v/vg)): v = 2⁻⁸(1 + 2⁻¹⁰) under vg = 128 (amax V = 60000:
+    up2(4·60000/2688) = 128) is x = 2⁻¹⁵ + 2⁻²⁵, exact in binary32; in FP16 it is a subnormal tie between
+    512 and 513 units of 2⁻²⁴ and rounds to the even 2⁻¹⁵. Read as the unquantized binary32 operand."""
+    from apa_emu.prep import prepare
+
+    q = np.ones((1, 1, 64), np.float16)
+    k = np.ones((2, 1, 64), np.float16)
+    v = np.zeros((2, 1, 64), np.float16)
+    v[0, 0, 0] = 60000
+    v[1, 0, 5] = np.float16(2.0**-8 * (1 + 2.0**-10))
+    assert float(v[1, 0, 5]) == 2.0**-8 * (1 + 2.0**-10)
+    for v_f16, want in ((False, 2.0**-15 + 2.0**-25), (True, 2.0**-15)):
+        cfg = Config(mma="exact", quant_v=False, v_f16=v_f16)
+        p = prepare(q, k, v, 1, cfg)
+        assert p.vg[0] == 128
+        assert p.vhat_t[0, 0, 5, 1] == np.float32(want)  # tile 0, channel 5, slot 1 = key 1

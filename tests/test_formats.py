@@ -274,3 +274,20 @@ def test_quantize_and_dequantize_blocks():
         quantize_blocks(np.zeros((2, 20), np.float32))
     with pytest.raises(TypeError):
         quantize_blocks(np.zeros((2, 16), np.float64))
+
+
+@pytest.mark.parametrize("lsq", [True, False])
+def test_fp16_rounding_of_v_quotients_never_moves_nvfp4(lsq):
+    """numerics.md §12 #6: the seed's f16(v/vg) changes only quotients below 2⁻¹⁴ (v is FP16 and vg a
+    power of two), and NVFP4 rounds those to 0 either way: random blocks of such quotients, many of
+    them rounded, quantize identically."""
+    from apa_emu.formats import dequantize_blocks, quantize_blocks
+
+    rng = np.random.default_rng(6)
+    n = 20000
+    v16 = (rng.standard_normal((n, 16)) * 2.0 ** rng.uniform(-14, 4, (n, 1))).astype(np.float16)
+    x = v16.astype(np.float32) * (2.0 ** -rng.integers(0, 14, (n, 1))).astype(np.float32)
+    xf = x.astype(np.float16).astype(np.float32)
+    assert (x != xf).any(axis=1).sum() > n // 3  # the rounding happened in many blocks
+    a, b = (dequantize_blocks(*quantize_blocks(y, lsq)) for y in (x, xf))
+    assert np.array_equal(a, b)

@@ -129,6 +129,8 @@ MUTANTS = [
     Mutant("K13", "kernel launcher, KV state: a frozen chunk keeps the partial last tile instead of re-forming it",
            "apa_gpu/api.py", "min(images.held, state.length // TILE)", "min(images.held + 1, state.length // TILE + 1)",
            SIM),
+    Mutant("M30", "v_f16: V ⊗ (1/vg) not rounded to FP16", "apa_emu/prep.py",
+           "    if cfg.v_f16:\n        xv_t = _f16(xv_t)\n", "", ("tests/test_algorithm.py",)),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
