@@ -95,7 +95,7 @@ def finish(state: KVState, k, stats: Stats, xp=np) -> None:
     """After the call: len = S and its fingerprint; on a restat, ``stats`` (the call's own) and slen."""
     S = k.shape[1]
     if state.last:
-        state.stats = Stats(*(np.array(x, F32) for x in stats))  # (a cache holds images under these now)
+        state.stats = Stats(*(np.array(x, F32) for x in stats))  # the kernel's cached images are formed under these
         state.stats_length = S
         state.restats += 1
     state.history.append((S, state.last))

@@ -169,8 +169,7 @@ def test_engine_choice_and_why(monkeypatch):
         engine.select_engine("cpu", [Config()], [64], devices=(0, 1))
     monkeypatch.setattr(engine, "gpu_missing", lambda: None)
     for cfg, d, why in ((Config(mma="exact"), 64, "config.mma='exact' is an emulator model"),
-                        (Config(mma="sm120"), 128, "config.mma='sm120' is an emulator model"),
-                        (Config(), 256, "head dim 256 is not implemented")):
+                        (Config(mma="sm120"), 256, "config.mma='sm120' is an emulator model")):
         assert why in engine.select_engine("auto", [cfg], [64, d]).note
         with pytest.raises(engine.BackendError, match=f"^--backend gpu: {why}"):
             engine.select_engine("gpu", [cfg], [d])
