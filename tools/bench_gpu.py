@@ -209,19 +209,7 @@ def bench_cudnn_varlen(q, k, v, seqs, scale, reps):
                       diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT)
     o.set_output(True).set_dim(og.size()).set_stride(og.stride())
     o.set_ragged_offset(ot[3])
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    workspace = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
-    handle = cudnn.create_handle()
-    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-    pack = {qt: qg, kt: kg, vt: vg, lqt: lq, lkt: lk, o: og, **dict(zip(ot, offs))}
-
-    def run():
-        graph.execute(pack, workspace, handle=handle)
-
+    run = _cudnn_runner(graph, {qt: qg, kt: kg, vt: vg, lqt: lq, lkt: lk, o: og, **dict(zip(ot, offs))})
     run()
     torch.cuda.synchronize()
     flat = og.as_strided((q.size,), (1,)).view(q.shape)
@@ -304,6 +292,23 @@ def bench_sdpa(q, k, v, reps):
     return res
 
 
+def _cudnn_runner(graph, pack):
+    """Build the plans of a cudnn-frontend graph whose output is set; a call that runs it on ``pack``
+    on torch's current stream."""
+    import cudnn
+    import torch
+
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    return lambda: graph.execute(pack, workspace, handle=handle)
+
+
 def bench_cudnn(q, k, v, scale, reps, window=None):
     """cuDNN's fused attention called directly through cudnn-frontend (`pygraph.sdpa`): bottom-right
     causal, GQA, FP16 in and out, binary32 softmax; the yardstick of issue 15. Returns (ms, detail);
@@ -326,19 +331,7 @@ def bench_cudnn(q, k, v, scale, reps, window=None):
         kw["diagonal_band_left_bound"] = window
     o, _ = graph.sdpa(**kw)
     o.set_output(True).set_dim(og.size()).set_stride(og.stride())
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    workspace = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
-    handle = cudnn.create_handle()
-    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-    pack = {qt: qg, kt: kg, vt: vg, o: og}
-
-    def run():
-        graph.execute(pack, workspace, handle=handle)
-
+    run = _cudnn_runner(graph, {qt: qg, kt: kg, vt: vg, o: og})
     run()
     torch.cuda.synchronize()
     detail = f"cudnn-frontend {cudnn.__version__}, backend {cudnn.backend_version()}"
