@@ -29,17 +29,23 @@ class Stats(NamedTuple):
 @dataclass
 class KVState:
     """What a chunk leaves for the next (§5.9). Start with ``KVState()`` and pass the same object to
-    every chunk of one prompt; the call updates it. ``restats`` and ``chunks`` count the calls."""
+    every chunk of one prompt; the call updates it."""
 
     length: int = 0  # len: keys of the previous call
     stats_length: int = 0  # slen: keys the statistics were made for
     stats: Stats | None = None  # host arrays
     fingerprint: np.ndarray | None = None  # uint16 [3, 16]
-    chunks: int = 0
-    restats: int = 0
     last: str = ""  # why the last call restatted ("" when it ran frozen)
     history: list = field(default_factory=list)  # (S, reason) per call
     cache: object = field(default=None, repr=False, compare=False)  # an implementation's (the kernel's key images)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.history)
+
+    @property
+    def restats(self) -> int:
+        return sum(1 for _, reason in self.history if reason)
 
     def __repr__(self) -> str:
         return (f"KVState(length={self.length}, stats_length={self.stats_length}, chunks={self.chunks}, "
@@ -97,11 +103,9 @@ def finish(state: KVState, k, stats: Stats, xp=np) -> None:
     if state.last:
         state.stats = Stats(*(np.array(x, F32) for x in stats))  # the kernel's cached images are formed under these
         state.stats_length = S
-        state.restats += 1
     state.history.append((S, state.last))
     state.length = S
     state.fingerprint = _fingerprint(k, S, xp)
-    state.chunks += 1
 
 
 __all__ = ["KVState", "Stats", "begin", "finish"]
