@@ -11,7 +11,7 @@ import numpy as np
 from apa_emu import trace as tr
 from apa_emu.api import Result, check_state_use, check_window, validate
 from apa_emu.config import Config
-from apa_emu.geometry import TILE, Shape
+from apa_emu.geometry import TILE, Shape, cdiv
 from apa_emu import kvstate, varlen
 from apa_emu.kvstate import KVState
 from apa_emu.paging import check_pages, gather, unpage
@@ -90,7 +90,8 @@ def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
               block_table=None, seqlen_k: int | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-              kv_state: KVState | None = None, trace=None, schedule: str | None = None) -> Result:
+              kv_state: KVState | None = None, trace=None, schedule: str | None = None,
+              segment_tiles: int | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
     q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
@@ -99,10 +100,16 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6), in one launch. ``kv_state``: a chunk of
     a chunked prefill, as the emulator (§5.9). ``trace``: None, "all" or
     (b, hk, warp) triples, as the emulator. ``schedule``:
-    "separate" (default, or $APA_GPU_SCHEDULE) or "fused" (one persistent launch for both passes).
-    Returns an apa_emu Result with NumPy arrays.
+    "separate" (default, or $APA_GPU_SCHEDULE), "fused" (one persistent launch for both passes) or
+    "bounded" (pass 1's key images for ``segment_tiles`` tiles at a time, default
+    apa_gpu.plan.SEGMENT_TILES: device memory beyond the inputs that does not grow with the context,
+    numerics.md §6.7). Returns an apa_emu Result with NumPy arrays.
     """
     cfg = config or Config()
+    schedule = schedule or os.environ.get("APA_GPU_SCHEDULE", "separate")
+    if segment_tiles is not None and schedule != "bounded":
+        raise ValueError(f"segment_tiles={segment_tiles!r}: only the bounded schedule has segments, "
+                         f"not schedule={schedule!r}")
     check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k)
     pages = seqs = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -127,9 +134,12 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     from_tile = 0
     if kv_state is not None:
         frozen = kvstate.begin(kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
-        images, from_tile = _state_images(kv_state, frozen is not None, shape, cfg)
-    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule or os.environ.get("APA_GPU_SCHEDULE", "separate"),
-                seqs, images)
+        if schedule == "bounded":
+            kv_state.cache = None  # it forms its own images, each call: later chunks must not reuse older ones
+        else:
+            images, from_tile = _state_images(kv_state, frozen is not None, shape, cfg)
+    bounded = {} if segment_tiles is None else dict(segment=segment_tiles)
+    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule, seqs, images, **bounded)
     plan.run(qd, kd, vd, pages, frozen, from_tile)
     if kv_state is not None:
         kvstate.finish(kv_state, kd, plan.stats(), be.xp)
@@ -159,7 +169,7 @@ def _state_images(state: KVState, frozen: bool, shape: Shape, cfg: Config) -> tu
     fits = images is not None and images.key == KVImages.key_of(shape, cfg)
     if not fits or shape.S > images.tiles * TILE:
         room = max(2 * shape.S, 2 * images.tiles * TILE if fits else 0)
-        images = state.cache = KVImages(shape, cfg, room, len(KV_STATS))
+        images = state.cache = KVImages(shape, cfg, cdiv(room, TILE), len(KV_STATS))
     if not frozen:
         images.held = 0  # until prep has formed them under the new statistics
     return images, min(images.held, state.length // TILE)

@@ -93,20 +93,22 @@ def repro_dir() -> Path:
 
 
 def save_reproducer(q, k, v, q_offset, cfg: Config, trace="all", note: str = "", schedule: str = "separate",
-                    window: int | None = None, block_table=None, seqlen_k: int | None = None) -> Path:
-    """Write an .npz reproducer named by a hash of its content (the launch schedule, the window and
-    the paging included: each is its own code path); returns its path."""
+                    window: int | None = None, block_table=None, seqlen_k: int | None = None,
+                    segment_tiles: int | None = None) -> Path:
+    """Write an .npz reproducer named by a hash of its content (the launch schedule and the bounded
+    schedule's segment, the window and the paging included: each is its own code path); returns its
+    path."""
     h = hashlib.sha256()
     table = np.zeros((0, 0), np.int32) if block_table is None else np.asarray(block_table, np.int32)
     for x in (q, k, v, table):
         h.update(np.ascontiguousarray(x).tobytes())
     cfg_json = config_to_json(cfg)
-    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}|{window}|{seqlen_k}".encode())
+    h.update(f"{q_offset}|{cfg_json}|{trace}|{schedule}|{window}|{seqlen_k}|{segment_tiles}".encode())
     path = repro_dir() / f"apa_gpu_{h.hexdigest()[:16]}.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, q=q, k=k, v=v, q_offset=np.int64(q_offset), config=cfg_json,
                         trace=json.dumps(trace), note=note, schedule=schedule, window=json.dumps(window),
-                        block_table=table, seqlen_k=json.dumps(seqlen_k))
+                        block_table=table, seqlen_k=json.dumps(seqlen_k), segment_tiles=json.dumps(segment_tiles))
     return path
 
 
@@ -120,7 +122,8 @@ def load_reproducer(path):
                 trace=trace, schedule=str(z["schedule"]) if "schedule" in z else "separate",
                 window=json.loads(str(z["window"])) if "window" in z else None,
                 block_table=z["block_table"] if paged else None,
-                seqlen_k=json.loads(str(z["seqlen_k"])) if paged else None)
+                seqlen_k=json.loads(str(z["seqlen_k"])) if paged else None,
+                segment_tiles=json.loads(str(z["segment_tiles"])) if "segment_tiles" in z else None)
 
 
 def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:

@@ -196,6 +196,7 @@ class Layout(NamedTuple):
     row_bytes: int
     kv_stats: int  # per-head certificate statistics, checked against apa_emu.prep (§5.7)
     cert_threads: int  # block of apa_prep_cert: one thread per slot of a tile
+    p1_carry: int  # pass 1's per-row state between the bounded schedule's launches (§6.7), binary32s
 
 
 @dataclass(frozen=True)

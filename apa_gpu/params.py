@@ -82,20 +82,23 @@ GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I3
 # cuda/prep.cuh KvPages: paged KV (§5.0); a null table is the contiguous layout.
 KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", I32)])
 
-# cuda/apa.cu PrepParams: the seven prep kernels (§5).
+# cuda/common.cuh TileSpan: the tiles a launch forms or visits, and their slots in the key images (§6.7).
+TILE_SPAN = Struct("TileSpan", [("lo", I32), ("hi", I32), ("sink", I32), ("first", I32), ("stride", I32)])
+
+# cuda/apa.cu PrepParams: the six prep kernels (§5).
 PREP = Struct("PrepParams", [
     ("sz", GEOM_SIZES),
     ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
-    ("kimg", PTR), ("vimg", PTR), ("nu", PTR),
+    ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32), ("v_f16", I32), ("from_tile", I32),
+    ("interleaved", I32), ("v_f16", I32), ("span", TILE_SPAN),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.
 PASS1_ARGS = Struct("Pass1Args", [
     ("qhat", PTR), ("cq", PTR), ("khat", PTR), ("vhat", PTR), ("scales", PTR), ("nu", PTR), ("part", PTR),
-    ("ml", PTR), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
+    ("ml", PTR), ("carry", PTR), ("span", TILE_SPAN), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
     ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
     ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32), ("output", I32),
 ])
@@ -105,7 +108,7 @@ CERT = Struct("CertConsts", [("sd", F32), ("cs", F32), ("c2", F32), ("fast", F32
 
 # cuda/pass2.cuh Pass2Args.
 PASS2_ARGS = Struct("Pass2Args", [
-    ("q", PTR), ("k", PTR), ("v", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
+    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
     ("cq", PTR), ("qstat", PTR), ("kvstat", PTR), ("bound", PTR),
     ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("cert", CERT),
 ])
@@ -119,7 +122,7 @@ FUSED = Struct("FusedParams", [
 
 # cuda/apa.cu's entry points and the struct each takes.
 KERNELS = {
-    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v", "apa_prep_kv16",
+    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v",
                      "apa_prep_cert"), PREP),
     "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
 }

@@ -15,8 +15,11 @@ from .build import SUPPORTED_D, Variant
 from .params import KERNELS
 
 # "separate": prep, pass-1 and pass-2 launches; "fused": pass 1 and pass 2 in one persistent launch
-# (cuda/apa.cu apa_fused). Scheduling changes no result bit.
-SCHEDULES = ("separate", "fused")
+# (cuda/apa.cu apa_fused); "bounded": pass 1's key images for one segment of tiles at a time, so that
+# the device memory beyond the inputs does not grow with the context (numerics.md §6.7). Scheduling
+# changes no result bit.
+SCHEDULES = ("separate", "fused", "bounded")
+SEGMENT_TILES = 96  # the bounded schedule's segment: the seed's ring slot (apa-blog.txt, the window ring)
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -39,21 +42,21 @@ def _q_mode(cfg: Config) -> int:
 
 
 class KVImages:
-    """Prep's per-(b, hk) key images (cuda/prep.cuh): K̂, V̂ᵀ, pass 2's FP16 K and V, ν (§5.8) and the
-    certificate maxima (§5.7), with room for ``tiles`` tiles. A call forms its own; a KV state (§5.9)
-    keeps one across chunks, valid for ``key`` (the sizes and toggles prep read) and the state's
-    statistics, its first ``held`` tiles complete."""
+    """Prep's per-(b, hk) key images of pass 1 (cuda/prep.cuh): K̂, V̂ᵀ, ν (§5.8), with ``tiles`` slots,
+    and the certificate maxima (§5.7). A call forms its own: every tile, or in the bounded schedule
+    the sink tile and one segment at a time; a KV state (§5.9) keeps one across chunks, valid for
+    ``key`` (the sizes and toggles prep read) and the state's statistics, its first ``held`` tiles
+    complete."""
 
-    ARRAYS = ("khat", "vhat", "kimg", "vimg", "nu", "kvstat")
+    ARRAYS = ("khat", "vhat", "nu", "kvstat")
 
-    def __init__(self, shape: Shape, cfg: Config, keys: int, kv_stats: int):
+    def __init__(self, shape: Shape, cfg: Config, tiles: int, kv_stats: int):
         xp = device.backend().xp
         B, Hkv, d = shape.B, shape.Hkv, shape.d
         self.key = self.key_of(shape, cfg)
-        self.tiles = cdiv(keys, TILE)
+        self.tiles = tiles
         self.held = 0
-        self.khat, self.vhat, self.kimg, self.vimg = (xp.empty((B, Hkv, self.tiles, TILE * d), np.uint16)
-                                                      for _ in range(4))
+        self.khat, self.vhat = (xp.empty((B, Hkv, self.tiles, TILE * d), np.uint16) for _ in range(2))
         self.nu = xp.empty((B, Hkv, self.tiles, TILE), np.uint16) if cfg.hot_test == "output" else None
         self.kvstat = xp.zeros((B, Hkv, kv_stats), np.uint32)
 
@@ -69,14 +72,21 @@ class Plan:
     ``seqs``: a varlen batch (apa_emu.varlen.Seqs, §6.6), launched at once: ``shape`` is then the
     longest sequence's sizes (B = the sequences), which size the per-(b, hk) buffers, and the kernels
     read each sequence's own from cu_seqlens (cuda/common.cuh Geom). ``images``: a KV state's key
-    images (§5.9), used in place of the call's own."""
+    images (§5.9), used in place of the call's own (not under the bounded schedule). ``segment``: the
+    bounded schedule's tiles per segment."""
 
     def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate",
-                 seqs: Seqs | None = None, images: KVImages | None = None):
+                 seqs: Seqs | None = None, images: KVImages | None = None, segment: int = SEGMENT_TILES):
         check_config(cfg, shape.d)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if isinstance(segment, bool) or not isinstance(segment, (int, np.integer)) or segment < 1:
+            raise ValueError(f"segment={segment!r}: expected a positive number of tiles")
+        self.bounded = schedule == "bounded"
+        if self.bounded and images is not None:
+            raise ValueError("the bounded schedule forms its own key images; a KV state's are not used with it")
         self.shape, self.cfg, self.want, self.schedule = shape, cfg, want, schedule
+        self.segment = int(segment)
         s = shape
         self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32",
                                exp2_fast=cfg.exp2 == "fast")
@@ -98,12 +108,17 @@ class Plan:
         self.sh = xp.empty((B, Hkv, s.Rp), np.float32)
         self.qstat = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         self.output = cfg.hot_test == "output"
-        self.images = images or KVImages(s, cfg, s.S, lay.kv_stats)  # a KV state's, or this call's own
+        # A KV state's images, or this call's own: every tile, or the sink tile and one segment (§6.7).
+        slots = 1 + min(self.segment, s.ntiles) if self.bounded else s.ntiles
+        self.images = images or KVImages(s, cfg, slots, lay.kv_stats)
         for name in KVImages.ARRAYS:
             setattr(self, name, getattr(self.images, name))
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
         self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
-        self.hot = xp.zeros((B, Hkv, s.nw, cdiv(self.images.tiles, 32)), np.uint32)  # strided by the images' tiles
+        self.carry = xp.empty((B, Hkv, s.Rp, lay.p1_carry), np.float32) if self.bounded else None
+        # The hot words and the state's images are strided by the state's room (S_buf), or by S.
+        S_buf = images.tiles * TILE if images is not None else 0
+        self.hot = xp.zeros((B, Hkv, s.nw, cdiv(S_buf // TILE or s.ntiles, 32)), np.uint32)
         self.entries = None if seqs is None else seqs.shapes(s.H, s.Hkv, d, s.window)
         rows = (B, s.n) if seqs is None else (int(seqs.cq[-1]),)  # varlen: packed [total_q, ...]
         self.out = xp.empty((*rows, s.H, d), np.uint16)
@@ -112,7 +127,7 @@ class Plan:
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
         cu = (None, None) if seqs is None else (xp.asarray(seqs.cq.astype(np.int32)), xp.asarray(seqs.ck.astype(np.int32)))
         self.sizes = dict(n=s.n, H=s.H, Hkv=s.Hkv, S=s.S, q_offset=s.q_offset, window=s.window or 0,
-                          S_buf=self.images.tiles * TILE, cu_q=cu[0], cu_k=cu[1])
+                          S_buf=S_buf, cu_q=cu[0], cu_k=cu[1])
         self._trace_setup(xp)
 
     def entry(self, b: int) -> Shape:
@@ -160,21 +175,24 @@ class Plan:
         """numerics.md §5 on device arrays q [B,n,H,d], k, v [B,S,Hkv,d] (float16, contiguous), or page
         pools [pages, page_size, Hkv, d] with ``pages`` = (device int32 block table [B, max_pages],
         page_size) (§5.0). ``stats``: a frozen chunk's statistics (apa_emu.kvstate.Stats, §5.9), which
-        replace §5.1–5.2; ``from_tile``: the key images below it are the KV state's, formed under them."""
+        replace §5.1–5.2; ``from_tile``: the key images below it are the KV state's, formed under them.
+        The bounded schedule forms only the sink tile's images here, and each segment's in attend."""
         s, cfg, lay = self.shape, self.cfg, self.layout
         table, page_size = pages if pages is not None else (None, 0)
-        kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
-        p = dict(sz=self.sizes, q=q, k=k, v=v, pages=kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean, scales=self.scales,
-                 qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat, khat=self.khat,
-                 vhat=self.vhat, kimg=self.kimg,
-                 vimg=self.vimg, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
-                 quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-                 interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, from_tile=from_tile)
+        self.kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
+        self.kv = (k, v)
+        self._prep_params = dict(
+            sz=self.sizes, q=q, k=k, v=v, pages=self.kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
+            scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
+            khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
+            quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
+            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, span=self._span(0, 0))
+        p = self._prep_params
         self.ksum.fill(0)
         self.amax.fill(0)
         if from_tile == 0:
             self.kvstat.fill(0)  # else the maxima over the held tiles' keys, which the new ones extend
-        nb, bhd = s.d // 16, (s.Hkv, s.B)
+        bhd = (s.Hkv, s.B)
         xp = device.backend().xp
         if stats is None:
             self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
@@ -182,24 +200,50 @@ class Plan:
         else:
             self.kmean[...] = xp.asarray(stats.kmean)
             self.scales[...] = xp.asarray(np.stack([stats.kg, stats.vg], axis=-1))
-        self._launch("apa_prep_q", (cdiv(s.Rp * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
-        tiles = s.ntiles - from_tile
+        self._launch("apa_prep_q", (cdiv(s.Rp * (s.d // 16), PREP_THREADS), *bhd), PREP_THREADS, p)
+        if self.bounded:
+            self._form(0, 1)
+        else:
+            self._form(from_tile, s.ntiles)
+            self.images.held = s.S // TILE
+
+    def _span(self, lo: int, hi: int, first: int = 0) -> dict:
+        """cuda/common.cuh TileSpan of a launch over tiles lo .. hi-1 whose non-sink tiles start at
+        ``first`` in the images: all at their own index, or the bounded schedule's sink tile at slot 0
+        and its segment after it (§6.7)."""
+        return dict(lo=lo, hi=hi, sink=int(self.bounded), first=first, stride=self.images.tiles)
+
+    def _form(self, lo: int, hi: int, first: int = 0) -> None:
+        """Pass 1's key images and the certificate's maxima of tiles lo .. hi-1 (§5.4–5.8)."""
+        if hi <= lo:
+            return
+        s, nb, bhd = self.shape, self.shape.d // 16, (self.shape.Hkv, self.shape.B)
+        p = dict(self._prep_params, span=self._span(lo, hi, first))
+        tiles = hi - lo
         self._launch("apa_prep_k", (cdiv(tiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_v", (cdiv(tiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_kv16", (cdiv(tiles * TILE * (s.d // 8), PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_cert", (tiles, *bhd), lay.cert_threads, p)
-        self.images.held = s.S // TILE
+        self._launch("apa_prep_cert", (tiles, *bhd), self.layout.cert_threads, p)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """The bounded schedule's segments of tiles after the sink tile, in the order pass 1 visits
+        them (§6.7): descending for the diagonal order, ascending for the ascending one."""
+        T, n = self.segment, self.shape.ntiles
+        out = [(lo, min(lo + T, n)) for lo in range(1, max(n, 2), T)]
+        return out if self.cfg.tile_order == "ascending" else out[::-1]
 
     def attend(self, q):
-        """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9)."""
+        """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9); in the bounded
+        schedule, each segment's key images first and pass 1 over it."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
         pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
-                     part=self.part, ml=self.ml, hot=self.hot, trace_visits=self.visits, visit_base=self.visit_base,
+                     part=self.part, ml=self.ml, carry=self.carry, span=self._span(0, s.ntiles), hot=self.hot,
+                     trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
                      output=self.output)
-        pass2 = dict(q=q, k=self.kimg, v=self.vimg, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
+        k, v = self.kv
+        pass2 = dict(q=q, k=k, v=v, pages=self.kv_pages, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
                      out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
                      trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
                      cert=cfg.cert_consts(s.d)._asdict())
@@ -215,7 +259,14 @@ class Plan:
                          max(self.smem1, self.smem2))
             return
         grid = (self.ctas, s.Hkv, s.B)
-        if not self.all_hot:
+        if self.bounded:
+            for lo, hi in self.segments():
+                self._form(lo, hi, lo)
+                if not self.all_hot:  # the segment holding tile 1 also visits the sink tile 0
+                    span = self._span(0 if lo == 1 else lo, hi, lo)
+                    self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=dict(pass1, span=span)),
+                                 self.smem1)
+        elif not self.all_hot:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
 

@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     prep = prep_divergence(q, *unpage(q, k, v, **paging), off, cfg)  # prep of the contiguous layout (§5.0)
     print("prep: " + (prep or "bitwise equal"))
     emu = apa_emu.attention(q, k, v, off, cfg, window=r["window"], trace=trace, workers=args.workers, **paging)
-    gpu = attention(q, k, v, off, cfg, window=r["window"], trace=trace, schedule=schedule, **paging)
+    segment = dict(segment_tiles=r["segment_tiles"]) if schedule == "bounded" and r["segment_tiles"] else {}
+    gpu = attention(q, k, v, off, cfg, window=r["window"], trace=trace, schedule=schedule, **segment, **paging)
     div = first_divergence(emu, gpu)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1

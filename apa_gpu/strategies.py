@@ -122,3 +122,10 @@ def configs(draw):
         hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
         v_f16=draw(st.booleans()),
     )
+
+
+def schedules():
+    """apa_gpu.attention's schedule keywords: the default launches, the fused one, or the bounded one
+    with segments of 1-4 tiles, so that small problems run several."""
+    bounded = st.builds(lambda t: dict(schedule="bounded", segment_tiles=t), st.integers(1, 4))
+    return st.one_of(st.just({}), st.just(dict(schedule="fused")), bounded)

@@ -4,10 +4,12 @@
 // (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:
-//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v, apa_prep_kv16
+//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v
 //   -> apa_prep_cert (after prep_k and prep_v: it reads their images)
-//   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge),
-// or the prep kernels, then apa_fused. Each kernel takes one parameter struct (params.cuh), which
+//   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge, reading K and V as given),
+// or the prep kernels, then apa_fused; or, bounded (§6.7), the statistics and apa_prep_q, then per
+// segment of tiles apa_prep_k, _v, _cert into the same images and apa_pass1 over the segment, then
+// apa_pass2. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
 #include "params.cuh"
@@ -17,7 +19,7 @@
 
 using namespace apa;
 
-// The seven prep kernels share one struct: each reads the fields of its own step (§5).
+// The six prep kernels share one struct: each reads the fields of its own step (§5).
 struct PrepParams {
     GeomSizes sz;
     const uint16_t* q;          // [B, n, H, D] f16
@@ -35,8 +37,6 @@ struct PrepParams {
     unsigned int* kvstat;       // zeroed by the host
     uint16_t* khat;
     uint16_t* vhat;
-    uint16_t* kimg;
-    uint16_t* vimg;
     uint16_t* nu;               // §5.8, output hot test only (else null)
     float qmul;
     int q_mode;                 // prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off
@@ -46,7 +46,7 @@ struct PrepParams {
     int lsq;
     int interleaved;
     int v_f16;                  // §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
-    int from_tile;              // the first tile prep_k, _v, _kv16, _cert form: those below are a KV state's (§5.9)
+    TileSpan span;              // the tiles prep_k, _v, _cert form, and where (a KV state's are held, §5.9)
 };
 
 // A prep step that reads K or V, instantiated for the layout (prep.cuh kv_row): one uniform branch.
@@ -87,17 +87,13 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.from_tile, p.quant_k != 0,
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.span, p.quant_k != 0,
                   p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.from_tile, p.quant_v != 0,
+    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.span, p.quant_v != 0,
                   p.lsq != 0, p.interleaved != 0, p.v_f16 != 0);
-}
-
-extern "C" __global__ void __launch_bounds__(128) apa_prep_kv16(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_kv16, p.k, p.v, p.kimg, p.vimg, p.pages, Geom(p.sz, blockIdx.z), p.from_tile);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
@@ -106,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
     APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
-                  p.from_tile, p.interleaved != 0);
+                  p.span, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -188,29 +184,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // Constants the host reads back (apa_gpu/device.py Layout) instead of repeating them: the CTA's
 // warps and the tile (§6.2, §6.3), the prep-statistics block and its keys per chunk, the dynamic
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
-// and the trace record sizes (checked against apa_emu.trace's dtypes).
+// the trace record sizes (checked against apa_emu.trace's dtypes), and pass 1's carried row state.
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
-                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS);
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS, P1_CARRY);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),
                   APA_FIELD(GeomSizes, S_buf), APA_FIELD(GeomSizes, cu_q), APA_FIELD(GeomSizes, cu_k));
 APA_PARAMS_LAYOUT(KvPages, APA_FIELD(KvPages, table), APA_FIELD(KvPages, page_size),
                   APA_FIELD(KvPages, max_pages));
+APA_PARAMS_LAYOUT(TileSpan, APA_FIELD(TileSpan, lo), APA_FIELD(TileSpan, hi), APA_FIELD(TileSpan, sink),
+                  APA_FIELD(TileSpan, first), APA_FIELD(TileSpan, stride));
 APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
                   APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, pages), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
                   APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),
                   APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, qstat),
                   APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),
-                  APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, kimg), APA_FIELD(PrepParams, vimg),
-                  APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
+                  APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
                   APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16),
-                  APA_FIELD(PrepParams, from_tile));
+                  APA_FIELD(PrepParams, span));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
                   APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
                   APA_FIELD(Pass1Args, part),
-                  APA_FIELD(Pass1Args, ml), APA_FIELD(Pass1Args, hot), APA_FIELD(Pass1Args, trace_visits),
+                  APA_FIELD(Pass1Args, ml), APA_FIELD(Pass1Args, carry), APA_FIELD(Pass1Args, span),
+                  APA_FIELD(Pass1Args, hot), APA_FIELD(Pass1Args, trace_visits),
                   APA_FIELD(Pass1Args, visit_base), APA_FIELD(Pass1Args, eps), APA_FIELD(Pass1Args, delta),
                   APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
                   APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
@@ -218,6 +216,7 @@ APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq
 APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
                   APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
+                  APA_FIELD(Pass2Args, pages),
                   APA_FIELD(Pass2Args, sh), APA_FIELD(Pass2Args, part), APA_FIELD(Pass2Args, ml),
                   APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, cq),
                   APA_FIELD(Pass2Args, qstat), APA_FIELD(Pass2Args, kvstat), APA_FIELD(Pass2Args, bound),

@@ -112,6 +112,34 @@ struct Geom {
     }
 };
 
+// §5.0 paged KV: K and V are page pools [pages, page_size, Hkv, D] read through a block table;
+// table null: the contiguous [B, S, Hkv, D] layout.
+struct KvPages {
+    const int* table;  // [B, max_pages], -1 = a hole
+    int page_size;
+    int max_pages;
+};
+
+// The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros. The
+// steps that read K or V are instantiated for PAGED (p.table set) and not: the contiguous
+// layout keeps its plain strided loads, without a table lookup or a hole test.
+template <bool PAGED>
+__device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int b, int s, int hk) {
+    if constexpr (!PAGED) return ((g.k0 + s) * g.Hkv + hk) * D;
+    const int page = p.table[(size_t)b * p.max_pages + s / p.page_size];
+    return page < 0 ? -1 : (((long long)page * p.page_size + s % p.page_size) * g.Hkv + hk) * D;
+}
+
+// The per-(b, hk) key images prep forms for pass 1 (prep.cuh), and the tiles one launch forms or
+// visits (§6.7). The images hold tiles 0 .. sink-1 at slots 0 .. sink-1, then tile first + j at
+// slot sink + j, stride slots per (b, hk). One pass over all tiles: sink = first = 0, slot = tile.
+// The bounded schedule: sink = 1 (tile 0), and one segment of tiles after it at a time.
+struct TileSpan {
+    int lo, hi;  // the launch's tiles lo .. hi-1
+    int sink, first, stride;
+    __device__ __forceinline__ long long slot(int t) const { return t < sink ? t : sink + t - first; }
+};
+
 // The rows of the calling warp in CTA qb of one (b, hk) (numerics.md §6.2–6.3), in the m16n8k16
 // fragment layout: lane = 4 g + t0 holds rows row0 + g ("lo") and row0 + g + 8 ("hi"). Padding rows
 // (≥ R) are invalid; their key limit is the last real row's, which the validity masks make moot.
@@ -163,6 +191,22 @@ __device__ __forceinline__ int visit_tile(int i, int F, int Tmax, bool ascending
     if (ascending) return F + i;
     if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;
     return Tmax - i;
+}
+
+// The CTA's steps i0 .. i1-1 of the visiting order over F .. Tmax (visit_tile) whose tiles lie in
+// lo .. hi-1: a contiguous run, since the order is monotone after its first step. The diagonal
+// order's step 0 (tile 0, when F = 0) comes first, so it belongs to the run that holds Tmax (§6.7).
+__device__ __forceinline__ void step_range(int F, int Tmax, bool ascending, int lo, int hi, int& i0, int& i1) {
+    const int first = ascending || F > 0 ? F : 1;  // the monotone part's lowest tile
+    const int a = max(lo, first), b = min(hi, Tmax + 1);
+    i0 = i1 = 0;
+    if (ascending) {
+        if (a < b) i0 = a - F, i1 = b - F;
+        return;
+    }
+    const int top = F > 0 ? Tmax : Tmax + 1;  // step of tile t: top - t
+    if (a < b) i0 = top - (b - 1), i1 = top - a + 1;
+    if (F == 0 && lo <= Tmax && Tmax < hi) i0 = 0, i1 = max(i1, 1);
 }
 
 // Key of slot j (0..63) within a tile under the P grouping (numerics.md §7.3). Pass-1 tiles are

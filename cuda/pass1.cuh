@@ -20,8 +20,10 @@ struct Pass1Args {
     const uint16_t* vhat;
     const float* scales;
     const uint16_t* nu;      // [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null)
-    float* part;             // [B, Hkv, Rp, D]
+    float* part;             // [B, Hkv, Rp, D]; between the launches of the bounded schedule, o (§6.7)
     float* ml;               // [B, Hkv, Rp, 3] = (m1, l1, ad1)
+    float* carry;            // [B, Hkv, Rp, P1_CARRY]: the rest of the warp state between launches (§6.7)
+    TileSpan span;           // the images' slots and the tiles this launch visits
     uint32_t* hot;           // [B, Hkv, nw, W], zeroed by the host
     uint8_t* trace_visits;   // VISIT_DTYPE records (trace builds)
     const int* visit_base;   // [B, Hkv, nw]: first record index of the warp, -1 = not traced
@@ -51,6 +53,43 @@ constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 struct P1Sums {
     float la, lc, ad, lv;
 };
+
+// The bounded schedule (§6.7) ends a launch with the CTA's visiting order unfinished: each warp
+// stores its state (o in part, the rest in carry, as m, la, lc, ad, lv and the visit count's bits),
+// every row of the warp padding included, and the next launch resumes from it bit for bit.
+constexpr int P1_CARRY = 6;
+template <int NDN>
+__device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
+                                         bool store, float (&o)[NDN][4], float& m_lo, float& m_hi, P1Sums& lo,
+                                         P1Sums& hi, int& visit) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const size_t r = bh * geo.Rp_buf + (half ? wr.r_hi : wr.r_lo);
+        float2* prow = reinterpret_cast<float2*>(a.part + r * D + 2 * wr.t0);
+        float* c = a.carry + r * P1_CARRY;
+        float& m = half ? m_hi : m_lo;
+        P1Sums& x = half ? hi : lo;
+#pragma unroll
+        for (int dn = 0; dn < NDN; ++dn) {
+            if (store) {
+                prow[4 * dn] = make_float2(o[dn][2 * half], o[dn][2 * half + 1]);
+            } else {
+                const float2 v = prow[4 * dn];
+                o[dn][2 * half] = v.x;
+                o[dn][2 * half + 1] = v.y;
+            }
+        }
+        if (store) {
+            if (wr.t0 == 0) {
+                c[0] = m, c[1] = x.la, c[2] = x.lc, c[3] = x.ad, c[4] = x.lv;
+                c[5] = __uint_as_float((uint32_t)visit);
+            }
+        } else {
+            m = c[0], x.la = c[1], x.lc = c[2], x.ad = c[3], x.lv = c[4];
+            visit = (int)__float_as_uint(c[5]);
+        }
+    }
+}
 
 // update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv. The
 // spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
@@ -264,8 +303,12 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     const bool inter = a.interleaved != 0;
     const float lg2_lane = lg2_table(wr.lane < 9 ? wr.lane : 0);
     TileRing<P1_STAGES> ring(smem);
-    ring.reset(fresh);
+    ring.reset(fresh, 1);
     __syncthreads();
+    int i0, i1;  // the steps of this launch (§6.7; all of them but in the bounded schedule)
+    step_range(wr.Fmin, wr.Tmax, a.ascending, a.span.lo, a.span.hi, i0, i1);
+    const int nst = i1 - i0;
+    if (nst == 0) return;  // the whole CTA
 
     // Q̂ of the warp's 16 rows into its warpgroup's image (§7.1), c_q per row. Rows of warps past
     // the CTA's rows are zero: the warpgroup's wgmma reads them too.
@@ -292,6 +335,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
     for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     int visit = 0;
+    if (i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
     [[maybe_unused]] uint8_t* trace_base = nullptr;
 #if APA_TRACE
     if (wr.warp_active) {
@@ -301,16 +345,16 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #endif
 
     uint32_t* const hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;  // the warp's hot-mask words
-    const uint16_t* khat_bh = a.khat + bh * geo.ntkv_buf * TILE * D;
-    const uint16_t* vhat_bh = a.vhat + bh * geo.ntkv_buf * TILE * D;
+    const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
+    const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
     // §7.6's B operand: column g of the row-sum MMA is lane group g's; the odd ones carry ν (output test).
     const bool nu_lane = a.output && (wr.g & 1);
-    const uint16_t* nu_bh = nu_lane ? a.nu + bh * geo.ntkv_buf * TILE + 2 * wr.t0 : nullptr;
-    auto load = [&](int i) {  // the tile images of prep, keys >= S zero
-        const size_t base = (size_t)visit_tile(i, wr.Fmin, wr.Tmax, a.ascending) * TILE * D;
-        ring.load_images(i, khat_bh + base, vhat_bh + base);
+    const uint16_t* nu_bh = nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
+    auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
+        const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
+        ring.load_images(j, khat_bh + base, vhat_bh + base);
     };
-    if (wr.wl < P1_STAGES && wr.wl < wr.steps) load(wr.wl);
+    if (wr.wl < P1_STAGES && wr.wl < nst) load(wr.wl);
     // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
     cp_async_wait<0>();
     fence_proxy_async();
@@ -320,9 +364,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // whole warpgroup issues it (wgmma is collective); warps without the tile discard it.
     float s[8][4];
     const WgOperand Qop = wg_operand(Qg), stage_op = wg_operand(ring.stage(0));
-    auto issue_scores = [&](int i) {
-        ring.wait(i);
-        const WgOperand Kop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES);
+    auto issue_scores = [&](int j) {
+        ring.wait(j);
+        const WgOperand Kop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
         wg_fence();
@@ -335,11 +379,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
     issue_scores(0);
-    for (int i = 0; i < wr.steps; ++i) {
-        const int t = visit_tile(i, wr.Fmin, wr.Tmax, a.ascending);
+    for (int j = 0; j < nst; ++j) {
+        const int t = visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
-        if (i > 0 && ring.release(i - 1) && i - 1 + P1_STAGES < wr.steps) load(i - 1 + P1_STAGES);
-        const WgOperand Vop = stage_op.plus((i % P1_STAGES) * STAGE_HALVES + TILE * D);
+        if (j > 0 && ring.release(j - 1) && j - 1 + P1_STAGES < nst) load(j - 1 + P1_STAGES);
+        const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
         if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {
             // Mask: keys outside lo_r .. lim_r -> -inf (only tiles that reach past a row's limits).
@@ -366,7 +410,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             uint32_t bw[4][2];  // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment)
 #pragma unroll
             for (int gi = 0; gi < 4; ++gi) {
-                const uint16_t* nu_g = nu_lane ? nu_bh + (size_t)t * TILE + 16 * gi : nullptr;
+                const uint16_t* nu_g = nu_lane ? nu_bh + a.span.slot(t) * TILE + 16 * gi : nullptr;
                 bw[gi][0] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g) : ONES_H2;
                 bw[gi][1] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g + 8) : ONES_H2;
             }
@@ -420,11 +464,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
         wg_commit();
-        if (i + 1 < wr.steps) issue_scores(i + 1);
+        if (j + 1 < nst) issue_scores(j + 1);
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
-    if (wr.warp_active) p1_export(a, geo, wr, bh, o, m_lo, m_hi, r_lo, r_hi);
+    if (!wr.warp_active) return;
+    if (i1 < wr.steps)
+        p1_carry(a, geo, wr, bh, true, o, m_lo, m_hi, r_lo, r_hi, visit);
+    else
+        p1_export(a, geo, wr, bh, o, m_lo, m_hi, r_lo, r_hi);
 }
 
 }  // namespace apa

@@ -15,8 +15,9 @@ namespace apa {
 
 struct Pass2Args {
     const uint16_t* q;       // [B, n, H, D] f16
-    const uint16_t* k;       // [B, Hkv, ntkv, 64 * D] f16 tile images (prep.cuh prep_kv16)
+    const uint16_t* k;       // the inputs: [B, S, Hkv, D] f16, or page pools (§5.0)
     const uint16_t* v;
+    KvPages pages;           // table null: contiguous
     const float* sh;         // [B, Hkv, Rp]
     const float* part;       // [B, Hkv, Rp, D] (unused when all_hot)
     const float* ml;         // [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot)
@@ -312,7 +313,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     const int nwords = (wr.Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw_buf + (wr.warp_active ? wr.w : 0)) * geo.W_buf;
     TileRing<P2_STAGES> ring(smem);
-    ring.reset(fresh);
+    ring.reset(fresh, 32);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
     uint32_t* Hs = U + geo.W + wr.wl * geo.W;  // this warp's words
 
@@ -363,8 +364,11 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
     auto load = [&](int i, int t) {  // K and V of keys 64t.., keys >= S zero (§8.1)
-        const size_t base = (bh * geo.ntkv_buf + t) * TILE * D;
-        ring.load_images(i, a.k + base, a.v + base);
+        ring.load_rows(i, a.k, a.v, [&](int j) {
+            const int key = t * TILE + j;
+            if (key >= geo.S) return -1LL;
+            return a.pages.table ? kv_row<true>(a.pages, geo, b, key, hk) : kv_row<false>(a.pages, geo, b, key, hk);
+        });
     };
     int cur = p2_next_tile(U, 0, wr.Tmax);
     int ahead = cur;

@@ -8,8 +8,10 @@
 // ALU work.
 //
 // Protocol, per stage s = i mod NS of the CTA's i-th tile:
-//   full[s]  mbarrier; consumers wait on its phase parity. One arrival, the loader's expect_tx of
-//            the stage's bytes, which its two bulk copies of tile images (prep.cuh) count.
+//   full[s]  mbarrier; consumers wait on its phase parity. Pass 1: one arrival, the loader's
+//            expect_tx of the stage's bytes, which its two bulk copies of tile images (prep.cuh)
+//            count. Pass 2: 32 arrivals, each lane of the loading warp's once its cp.async copies of
+//            K and V rows (from the inputs) have landed.
 //   done[s]  release counter: every warp adds 1 (acq_rel) after its last read of the stage; the
 //            warp that brings it to 12 (i / NS + 1) is the last reader, and loads tile i + NS there.
 // Counters only grow (no reset to race with), and every warp waits on every tile of the sequence,
@@ -64,6 +66,15 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
 __device__ __forceinline__ void fence_proxy_async() {
 #ifndef APA_SIM
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// One arrival on bar once all of this thread's earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+#ifdef APA_SIM
+    apa_sim::mbar_arrive(bar);
+#else
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
 #endif
 }
 // Wait until the phase of bar with the given parity has completed (acquire, CTA scope). The thread
@@ -129,13 +140,13 @@ struct TileRing {
     }
 
     // Thread 0 arms the ring for a work item (fresh: first use of this shared memory by the CTA;
-    // otherwise the previous item's barriers are invalidated first); the caller's __syncthreads
-    // publishes it.
-    __device__ __forceinline__ void reset(bool fresh) {
+    // otherwise the previous item's barriers are invalidated first) with the loads' arrivals per
+    // stage (load_images 1, load_rows 32); the caller's __syncthreads publishes it.
+    __device__ __forceinline__ void reset(bool fresh, uint32_t arrivals) {
         if (threadIdx.x == 0) {
             for (int s = 0; s < RING_MAX_STAGES; ++s) {
                 if (!fresh) mbar_inval(full + s);
-                mbar_init(full + s, 1);
+                mbar_init(full + s, arrivals);
                 done[s] = 0;
             }
         }
@@ -156,6 +167,23 @@ struct TileRing {
             bulk_copy(st, kimg, TILE * D * 2, bar);
             bulk_copy(st + TILE * D, vimg, TILE * D * 2, bar);
         }
+    }
+    // Every lane of the warp that loads step i: K and V of the tile's 64 keys into the stage's two
+    // images (sw128_half, key order), row(j) giving key j's element offset in k and v, or -1 for
+    // zeros (past S, a hole). 16-byte cp.async copies, consecutive lanes along a row.
+    template <class Row>
+    __device__ __forceinline__ void load_rows(int i, const uint16_t* k, const uint16_t* v, Row row) {
+        constexpr int CH = D / 8;  // 16-byte chunks per row
+        uint16_t* st = stage(i);
+        for (int e = threadIdx.x & 31; e < TILE * CH; e += 32) {
+            const int key = e / CH, c = e % CH;
+            const long long src = row(key);
+            const long long at = src < 0 ? 0 : src + 8 * c;
+            const uint32_t n = src < 0 ? 0u : 16u;
+            cp_async16(st + sw128_half(key, 8 * c, TILE), k + at, n);
+            cp_async16(st + TILE * D + sw128_half(key, 8 * c, TILE), v + at, n);
+        }
+        cp_async_arrive(full + i % NS);
     }
     __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NS, (uint32_t)(i / NS) & 1u); }
 

@@ -8,8 +8,8 @@
 //   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
 //   qstat [B, Hkv, Rp, 3] f32 = (qn, eq, q2n); kvstat [B, Hkv, 5] u32 = float bits of (kn, ek, k2n, vn,
 //   ev) (§5.7; zeroed by the host)
-//   kimg, vimg [B, Hkv, ntkv, 64 * D] f16: K and V tile images for pass 2 (prep_kv16)
-//   khat, vhat [B, Hkv, ntkv, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), keys of a
+//   khat, vhat [B, Hkv, stride, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), tile t at
+//   slot span.slot(t) (common.cuh TileSpan: every tile, or the bounded schedule's sink and segment), keys of a
 //   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero. Each tile is the wgmma operand
 //   image pass 1 copies to shared memory as it is (mma.cuh sw128_half): K̂ with 64 rows (slots) of
 //   D channels, V̂ᵀ with D rows (channels) of 64 slots.
@@ -34,23 +34,6 @@ __device__ __forceinline__ float nrm_end(float ss) {
     return fmul(fsqrt(fadd(ss, f32_from_bits(0x00800000u))), f32_from_bits(0x3F802000u));
 }
 
-// §5.0 paged KV: K and V are page pools [pages, page_size, Hkv, D] read through a block table;
-// table null: the contiguous [B, S, Hkv, D] layout.
-struct KvPages {
-    const int* table;  // [B, max_pages], -1 = a hole
-    int page_size;
-    int max_pages;
-};
-
-// The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros. The
-// prep steps that read K or V are instantiated for PAGED (p.table set) and not: the contiguous
-// layout keeps its plain strided loads, without a table lookup or a hole test.
-template <bool PAGED>
-__device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int b, int s, int hk) {
-    if constexpr (!PAGED) return ((g.k0 + s) * g.Hkv + hk) * D;
-    const int page = p.table[(size_t)b * p.max_pages + s / p.page_size];
-    return page < 0 ? -1 : (((long long)page * p.page_size + s % p.page_size) * g.Hkv + hk) * D;
-}
 template <bool PAGED>
 __device__ __forceinline__ uint16_t kv_at(const uint16_t* __restrict__ x, long long row, int c) {
     return PAGED && row < 0 ? (uint16_t)0 : x[row + c];
@@ -148,19 +131,19 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
 }
 
 // §5.4 K̂ per key and 16-channel block, as FP16 (§5.6). One thread per (tile slot row, block):
-// grid (ceil(ntkv*64*D/16 / 128), Hkv, B), block 128.
+// grid (ceil((span.hi-span.lo)*64*D/16 / 128), Hkv, B), block 128.
 template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
-                                       const KvPages& pg, const Geom& g, int from_tile, bool quant, bool lsq,
+                                       const KvPages& pg, const Geom& g, const TileSpan& span, bool quant, bool lsq,
                                        bool interleaved) {
     constexpr int NB = D / 16;
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * TILE * NB);
-    if (idx >= (long long)g.ntkv * TILE * NB) return;
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * TILE * NB);
+    if (idx >= (long long)min(span.hi, g.ntkv) * TILE * NB) return;
     const int row = (int)(idx / NB), cb = (int)(idx % NB);
     if (row / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
     const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
-    uint16_t* img = khat + (bh * g.ntkv_buf + row / TILE) * TILE * D;
+    uint16_t* img = khat + (bh * span.stride + span.slot(row / TILE)) * TILE * D;
     const int slot = row % TILE;
     float x[16];
     if (key < g.S) {
@@ -196,13 +179,13 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 }
 
 // §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per
-// (tile, group, channel): grid (ceil(ntkv*4*D / 128), Hkv, B), block 128.
+// (tile, group, channel): grid (ceil((span.hi-span.lo)*4*D / 128), Hkv, B), block 128.
 template <bool PAGED>
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
-                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, int from_tile,
+                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, const TileSpan& span,
                                        bool quant, bool lsq, bool interleaved, bool v_f16) {
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * 4 * D);
-    if (idx >= (long long)g.ntkv * 4 * D) return;
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * 4 * D);
+    if (idx >= (long long)min(span.hi, g.ntkv) * 4 * D) return;
     const int c = (int)(idx % D);
     const int grp = (int)((idx / D) % 4);
     const int t = (int)(idx / (4 * D));
@@ -245,33 +228,9 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     uint32_t out[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
-    uint16_t* img = vhat + (bh * g.ntkv_buf + t) * TILE * D;
+    uint16_t* img = vhat + (bh * span.stride + span.slot(t)) * TILE * D;
     *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
-}
-
-// §8 pass-2 operands: K and V of each tile as FP16 images (mma.cuh sw128_half; 64 rows of keys in
-// key order, D channels, keys >= S zero), so that pass 2 loads a tile with two bulk copies and its
-// ldmatrix reads are free of bank conflicts. One thread per 16-byte chunk of a row:
-// grid (ceil(ntkv*64*D/8 / 128), Hkv, B), block 128.
-template <bool PAGED>
-__device__ __forceinline__ void prep_kv16(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
-                                          uint16_t* __restrict__ kimg, uint16_t* __restrict__ vimg, const KvPages& pg,
-                                          const Geom& g, int from_tile) {
-    constexpr int CH = D / 8;
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)from_tile * TILE * CH);
-    if (idx >= (long long)g.ntkv * TILE * CH) return;
-    const int key = (int)(idx / CH), c = (int)(idx % CH);
-    if (key / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
-    uint4 kc = make_uint4(0u, 0u, 0u, 0u), vc = kc;
-    const long long src = key < g.S ? kv_row<PAGED>(pg, g, b, key, hk) : -1;  // past S or a hole: zeros
-    if (src >= 0) {  // (contiguous: only past S)
-        kc = *reinterpret_cast<const uint4*>(k + src + 8 * c);
-        vc = *reinterpret_cast<const uint4*>(v + src + 8 * c);
-    }
-    const size_t dst = (bh * g.ntkv_buf + key / TILE) * TILE * D + sw128_half(key % TILE, 8 * c, TILE);
-    *reinterpret_cast<uint4*>(kimg + dst) = kc;
-    *reinterpret_cast<uint4*>(vimg + dst) = vc;
 }
 
 // §5.3 Q̂ (as FP16, §5.6), c_q and the row shift sh. D/16 threads per packed row (one per
@@ -372,7 +331,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 
 // §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys lo₀ ≤ s < S of
 // norms in channel order. One block of CERT_THREADS = 64 threads per tile, thread j the tile's slot j
-// (key 64t + slot_key(j)): grid (ntkv − from_tile, Hkv, B). The tile's K rows and K̂ image, then its V rows and
+// (key 64t + slot_key(j)): grid (span.hi − span.lo, Hkv, B). The tile's K rows and K̂ image, then its V rows and
 // V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
 // threads' row reads hit distinct banks); each thread then sums its key's channels in order. K̂ and V̂
 // are read back from their images, so they are the values pass 1 multiplies; y is recomputed as
@@ -386,14 +345,14 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
                                           unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu,
-                                          const KvPages& pg, const Geom& g, int from_tile,
+                                          const KvPages& pg, const Geom& g, const TileSpan& span,
                                           bool interleaved) {
     __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
     __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
     uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
-    const int b = blockIdx.z, hk = blockIdx.y, tile = from_tile + blockIdx.x, j = threadIdx.x;
-    if (tile < g.first_tile(0) || tile >= g.ntkv) return;  // the whole block: below every window (§5.5), or
+    const int b = blockIdx.z, hk = blockIdx.y, tile = span.lo + blockIdx.x, j = threadIdx.x;
+    if (tile < g.first_tile(0) || tile >= min(span.hi, g.ntkv)) return;  // the whole block: below every window (§5.5), or
                                                             // past a shorter varlen sequence's keys
     const size_t bh = (size_t)b * g.Hkv + hk;
     const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
@@ -403,7 +362,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     kv_rows<PAGED>(key_rows, pg, g, b, hk, tile * TILE, TILE);
     for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
         const uint16_t* src = phase ? v : k;
-        const uint16_t* im = (phase ? vhat : khat) + (bh * g.ntkv_buf + tile) * TILE * D;
+        const uint16_t* im = (phase ? vhat : khat) + (bh * span.stride + span.slot(tile)) * TILE * D;
         __syncthreads();  // the previous phase's reads are done
         // Word e: key e / (D/2), channels 2 (e % (D/2)). CERT_BATCH words' loads are issued before
         // their shared-memory stores, which the compiler would not move the loads across.
@@ -425,7 +384,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
         }
         __syncthreads();
         if (!valid) {
-            if (phase && nu != nullptr) nu[(bh * g.ntkv_buf + tile) * TILE + j] = 0;  // §5.8: +0
+            if (phase && nu != nullptr) nu[(bh * span.stride + span.slot(tile)) * TILE + j] = 0;  // §5.8: +0
             continue;
         }
         const uint16_t* row = rows + kk * CERT_ROW;
@@ -453,7 +412,7 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
             }
             st[3] = nrm_end(s3);
             st[4] = nrm_end(s4);
-            if (nu != nullptr) nu[(bh * g.ntkv_buf + tile) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
+            if (nu != nullptr) nu[(bh * span.stride + span.slot(tile)) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
         }
     }
 #pragma unroll

@@ -26,7 +26,7 @@ import apa_gpu
 from apa_gpu import device
 from apa_gpu.build import SUPPORTED_D
 from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
-from apa_gpu.strategies import STRUCTURES, configs, make_inputs, paginate, problems
+from apa_gpu.strategies import STRUCTURES, configs, make_inputs, paginate, problems, schedules
 
 pytestmark = pytest.mark.gpu
 
@@ -35,15 +35,18 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, pri
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def check_bitwise(q, k, v, q_offset, cfg, trace="all", window=None, **paging):
+def check_bitwise(q, k, v, q_offset, cfg, trace="all", window=None, sched=None, **paging):
+    """Kernel against emulator; ``sched``: apa_gpu.attention's schedule keywords (strategies.schedules)."""
+    sched = sched or {}
     emu = apa_emu.attention(q, k, v, q_offset, cfg, window=window, trace=trace, **paging)
-    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, window=window, trace=trace, **paging)
+    gpu = apa_gpu.attention(q, k, v, q_offset, cfg, window=window, trace=trace, **sched, **paging)
     div = first_divergence(emu, gpu)
     if div is not None:
-        path = save_reproducer(q, k, v, q_offset, cfg, trace, window=window, **paging)
+        path = save_reproducer(q, k, v, q_offset, cfg, trace, window=window, schedule=sched.get("schedule", "separate"),
+                               segment_tiles=sched.get("segment_tiles"), **paging)
         raise AssertionError(
             f"kernel and emulator differ: {describe(div)}\n"
-            f"shapes q {q.shape} k {k.shape}, q_offset {q_offset}, window {window}, {cfg}\n"
+            f"shapes q {q.shape} k {k.shape}, q_offset {q_offset}, window {window}, {cfg}, {sched}\n"
             f"reproducer: python -m apa_gpu.replay {path}"
         )
     return emu, gpu
@@ -64,34 +67,34 @@ def test_kernel_matches_emulator(problem, cfg):
 
 
 @SETTINGS
-@given(problems(), configs(), st.integers(0, 2**20))
+@given(problems(), configs(), st.integers(0, 2**20), schedules())
 @example(  # warps whose first visited tile leaves their other rows blind (c = −inf, §7.4); two CTAs
     (dict(seed=4, B=1, n=200, Hkv=1, G=1, d=64, S=700, structure="sink", batched=False), 500), Config(eps=0.3),
-    199)
-def test_window_matches_emulator(problem, cfg, raw):
+    199, {})
+def test_window_matches_emulator(problem, cfg, raw, sched):
     """A sliding window (§6.1, §6.3, §6.4) of any width that leaves every row a key (raw picks it from
     the least such width, q_offset + n − S + 1 or 1, up to S + 70): bitwise, trace too."""
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     least = max(1, q_offset + shape["n"] - shape["S"] + 1)
-    check_bitwise(q, k, v, q_offset, cfg, window=least + raw % max(shape["S"] + 71 - least, 1))
+    check_bitwise(q, k, v, q_offset, cfg, window=least + raw % max(shape["S"] + 71 - least, 1), sched=sched)
 
 
 @SETTINGS
-@given(problems(), configs(), st.sampled_from([1, 16, 48, 64, 256, 5]), st.integers(0, 2**20))
-def test_paged_kv_matches_emulator(problem, cfg, page_size, raw):
+@given(problems(), configs(), st.sampled_from([1, 16, 48, 64, 256, 5]), st.integers(0, 2**20), schedules())
+def test_paged_kv_matches_emulator(problem, cfg, page_size, raw, sched):
     """Paged KV (§5.0): the problem's keys cut into pages of any size, shuffled into a pool with
     spare pages, one page sometimes a hole: the kernel reads through the table, bitwise the emulator."""
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     k, v, table = paginate(k, v, page_size, raw)
-    check_bitwise(q, k, v, q_offset, cfg, block_table=table, seqlen_k=shape["S"])
+    check_bitwise(q, k, v, q_offset, cfg, sched=sched, block_table=table, seqlen_k=shape["S"])
 
 
 @SETTINGS
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(0, 200)), min_size=1, max_size=4), configs(),
-       st.sampled_from(SUPPORTED_D), st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
-def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
+       st.sampled_from(SUPPORTED_D), st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1), schedules())
+def test_varlen_matches_emulator(lengths, cfg, d, structure, seed, sched):
     """A varlen batch (§6.6): sequences of different query and key lengths packed in one launch, bitwise,
     trace records (b = the sequence) and padded hot masks too."""
     n = [a for a, _ in lengths]
@@ -101,26 +104,27 @@ def test_varlen_matches_emulator(lengths, cfg, d, structure, seed):
     q, k, v = (np.concatenate([p[j] for p in parts]) for j in range(3))
     cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)  # noqa: E731
     emu = apa_emu.attention(q, k, v, 0, cfg, cu_seqlens_q=cu(n), cu_seqlens_k=cu(S), trace="all")
-    gpu = apa_gpu.attention(q, k, v, 0, cfg, cu_seqlens_q=cu(n), cu_seqlens_k=cu(S), trace="all")
+    gpu = apa_gpu.attention(q, k, v, 0, cfg, cu_seqlens_q=cu(n), cu_seqlens_k=cu(S), trace="all", **sched)
     div = first_divergence(emu, gpu)
-    assert div is None, f"varlen: kernel and emulator differ: {describe(div)}; lengths {lengths}, {cfg}"
+    assert div is None, f"varlen: kernel and emulator differ: {describe(div)}; lengths {lengths}, {cfg}, {sched}"
     assert (gpu.active_tiles, gpu.hot_tiles) == (emu.active_tiles, emu.hot_tiles)
 
 
 @SETTINGS
 @given(st.integers(16, 400), st.lists(st.integers(1, 60), min_size=1, max_size=4), configs(), st.sampled_from(SUPPORTED_D),
-       st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1))
-def test_chunked_prefill_matches_emulator(first, chunks, cfg, d, structure, seed):
+       st.sampled_from(STRUCTURES), st.integers(0, 2**31 - 1), schedules())
+def test_chunked_prefill_matches_emulator(first, chunks, cfg, d, structure, seed, sched):
     """Chunked prefill (§5.9): the same chunks through a KV state on each side, bitwise (trace too),
-    with the same restat decisions; frozen chunks (below 1.125× the statistics' keys) among them."""
+    with the same restat decisions; frozen chunks (below 1.125× the statistics' keys) among them. The
+    bounded schedule forms every chunk's images anew under the state's statistics."""
     S = first + sum(chunks)
     q, k, v = make_inputs(seed, 1, S, 1, 2, d, S, structure, batched=False)
     se, sg, start = apa_emu.KVState(), apa_emu.KVState(), 0
     for end in np.cumsum([first, *chunks]):
         emu = apa_emu.attention(q[start:end], k[:end], v[:end], start, cfg, kv_state=se, trace="all")
-        gpu = apa_gpu.attention(q[start:end], k[:end], v[:end], start, cfg, kv_state=sg, trace="all")
+        gpu = apa_gpu.attention(q[start:end], k[:end], v[:end], start, cfg, kv_state=sg, trace="all", **sched)
         div = first_divergence(emu, gpu)
-        assert div is None, f"chunk {start}..{end} ({sg.last or 'frozen'}): {describe(div)}; {cfg}"
+        assert div is None, f"chunk {start}..{end} ({sg.last or 'frozen'}): {describe(div)}; {cfg}, {sched}"
         assert se.history == sg.history
         start = int(end)
 
@@ -143,19 +147,23 @@ def test_partial_trace_and_plain_mode(problem, eps):
 
 
 @SETTINGS
-@given(problems(), configs())
-def test_fused_schedule_matches(problem, cfg):
-    """The fused persistent launch (pass-1 items, then pass-2 items behind ready flags) gives the
-    separate launches' bits: output, hot masks, every trace record."""
+@given(problems(), configs(), st.sampled_from(["fused", "bounded"]), st.integers(1, 4))
+def test_schedules_match(problem, cfg, schedule, segment):
+    """The fused persistent launch (pass-1 items, then pass-2 items behind ready flags), and the
+    bounded schedule (pass 1 over one segment of 1-4 tiles at a time, its warps' state carried
+    between the launches, §6.7), give the separate launches' bits: output, hot masks, every trace
+    record. The problems have up to 6 tiles, so the bounded schedule runs several segments."""
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     sep = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule="separate")
-    fused = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule="fused")
-    div = first_divergence(sep, fused)
+    kw = dict(segment_tiles=segment) if schedule == "bounded" else {}
+    other = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule=schedule, **kw)
+    div = first_divergence(sep, other)
     if div is not None:
-        path = save_reproducer(q, k, v, q_offset, cfg, "all", note="fused vs separate", schedule="fused")
-        raise AssertionError(f"fused differs from separate (emulator=separate, gpu=fused): {describe(div)}\n"
-                             f"reproducer: {path}")
+        path = save_reproducer(q, k, v, q_offset, cfg, "all", note=f"{schedule} vs separate", schedule=schedule,
+                               segment_tiles=kw.get("segment_tiles"))
+        raise AssertionError(f"{schedule} differs from separate (emulator=separate, gpu={schedule}): "
+                             f"{describe(div)}\nreproducer: {path}")
 
 
 def test_device_inputs_and_errors():
@@ -181,7 +189,7 @@ def test_device_inputs_and_errors():
 
 
 @pytest.mark.hardware  # the simulator runs CTAs one after another: determinism is by construction
-@pytest.mark.parametrize("schedule", ["separate", "fused"])
+@pytest.mark.parametrize("schedule", ["separate", "fused", "bounded"])
 def test_deterministic_reruns(schedule):
     q, k, v = make_inputs(11, 1, 512, 2, 4, 128, 4096, "sink", batched=False)
     runs = [apa_gpu.attention(q, k, v, 4096 - 512, Config(), schedule=schedule) for _ in range(5)]

@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     from apa_emu.config import Config
 
     def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None,
-            page=None, inputs=None):
+            page=None, inputs=None, segment=None):
         rng = np.random.default_rng(seed)
         lead = () if batch is None else (batch,)
         q = rng.standard_normal(lead + (n, H, d))
@@ -54,9 +54,10 @@ SCRIPT = textwrap.dedent(
             k, v, table = paginate(k, v, page, seed)
             paging = dict(block_table=table, seqlen_k=S)
         e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all", **paging)
-        g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule, **paging)
+        seg = {} if segment is None else dict(segment_tiles=segment)
+        g = apa_gpu.attention(q, k, v, off, cfg, window=window, trace="all", schedule=schedule, **paging, **seg)
         div = first_divergence(e, g)
-        tag = f"seed={seed} d={d} window={window} page={page} {cfg} {schedule}"
+        tag = f"seed={seed} d={d} window={window} page={page} {cfg} {schedule} {segment or ''}"
         assert div is None, tag + ": " + describe(div)
         rows = g.rows
         big = np.maximum(rows["m1"], rows["m2"])
@@ -104,14 +105,15 @@ SCRIPT = textwrap.dedent(
 
     # One varlen launch (§6.6) against the emulator's sequences alone; sequences of one and of two
     # CTAs, so that a short one's extra CTAs and fused items are empty.
-    def run_varlen(seed, lengths, H, Hkv, d, cfg, schedule="separate", window=None):
+    def run_varlen(seed, lengths, H, Hkv, d, cfg, schedule="separate", window=None, segment=None):
         parts = [make_inputs(seed + i, 1, n, Hkv, H // Hkv, d, S, "sink", batched=False)
                  for i, (n, S) in enumerate(lengths)]
         q, k, v = (np.concatenate([p[j] for p in parts]) for j in range(3))
         cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)
         lens = dict(cu_seqlens_q=cu([n for n, _ in lengths]), cu_seqlens_k=cu([S for _, S in lengths]))
         e = apa_emu.attention(q, k, v, 0, cfg, window=window, trace="all", **lens)
-        g = apa_gpu.attention(q, k, v, 0, cfg, window=window, trace="all", schedule=schedule, **lens)
+        seg = {} if segment is None else dict(segment_tiles=segment)
+        g = apa_gpu.attention(q, k, v, 0, cfg, window=window, trace="all", schedule=schedule, **lens, **seg)
         div = first_divergence(e, g)
         tag = f"varlen seed={seed} {lengths} window={window} {cfg} {schedule}"
         assert div is None, tag + ": " + describe(div)
@@ -129,8 +131,12 @@ SCRIPT = textwrap.dedent(
     q, k, v = make_inputs(40, 1, 760, 1, 3, 64, 760, "sink", batched=False)
     se, sg, start = KVState(), KVState(), 0
     for end in (100, 110, 250, 270, 700, 720, 760):
+        # the bounded schedule for two chunks: its own images under the state's statistics, and after it
+        # the state's images formed anew
+        seg = dict(schedule="bounded", segment_tiles=2) if end in (270, 700) else {}
         e = apa_emu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=se, trace="all")
-        g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all")
+        g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all",
+                              **seg)
         div = first_divergence(e, g)
         assert div is None and se.history == sg.history, f"chunk {start}..{end} {sg}: " + describe(div or {})
         start = end
@@ -151,6 +157,17 @@ SCRIPT = textwrap.dedent(
     v[:, 0, 1:] *= np.float16(2.0**-15)
     v[3, 0, 0] = 60000
     run(53, 40, 2, 1, 300, 64, 260, Config(eps=0.3, v_f16=True), inputs=(q, k, v))
+
+    # The bounded schedule (§6.7): pass 1 over segments of a few tiles, its warps' state carried between
+    # launches; hot and cold tiles mixed; both tile orders, a window (CTAs past tile 0), paging and
+    # the output test (ν in the segment's slots), ε < 0 (no pass 1), a varlen batch, d = 128.
+    run(60, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, schedule="bounded", segment=3)
+    run(61, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test="output", tile_order="ascending"), sink=True,
+        schedule="bounded", segment=4, page=48)
+    run(62, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200, schedule="bounded", segment=2)
+    run(63, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum="f32"), schedule="bounded", segment=1)
+    run(64, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True, schedule="bounded", segment=1)
+    run_varlen(65, [(9, 150), (70, 700), (1, 64)], 3, 1, 64, Config(eps=0.05), schedule="bounded", segment=3)
     """
 )
 
@@ -161,12 +178,14 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 26, r.stdout
+    assert len(lines) == 32, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
     assert counts[9][0] == 0, "ε = 1 can make no tile hot"
     assert all(0 < h < a for h, a, _ in counts[15:17]), "an output-test problem did not mix hot and cold tiles"
+    bounded = [c for line, c in zip(lines, counts) if " bounded " in line]
+    assert len(bounded) == 6 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
 
 
 @pytest.fixture(scope="module")

@@ -424,8 +424,8 @@ def test_check_generated_problems(capsys, numpy_gpu, monkeypatch, tmp_path):
     pytest.importorskip("hypothesis")
     monkeypatch.setenv("APA_GPU_REPRO_DIR", str(tmp_path))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 0
-    assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7), separate and fused "
-                                            "schedules\n")
+    assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7), separate, fused and "
+                                            "bounded schedules\n")
     monkeypatch.setattr(apa_gpu, "attention", _planted("out"))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 1
     lines = capsys.readouterr().out.splitlines()

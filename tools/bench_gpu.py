@@ -15,6 +15,7 @@ warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
     python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
     python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --chunk 256   # a frozen chunk vs a fresh call
+    python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --bounded      # the bounded KV copy
 """
 
 from __future__ import annotations
@@ -98,6 +99,43 @@ def prep_kernel_times(plan, qd, kd, vd, pages, reps):
     names = [name for name, _, _ in runs[-1]]
     return {n: float(np.median([cp.cuda.get_elapsed_time(a, b) for r in runs[1:] for m, a, b in r if m == n]))
             for n in names}
+
+
+def plan_bytes(plan) -> tuple[int, int]:
+    """Device bytes a Plan holds beyond the inputs, per (b, KV head): (pass 1's key images K̂, V̂ᵀ and ν;
+    everything else: Q̂, row statistics, pass 1's partial results and carried state, hot masks, outputs)."""
+    import cupy as cp
+
+    images = {id(a): a.nbytes for a in (plan.khat, plan.vhat, plan.nu) if a is not None}
+    every = {id(a): a.nbytes for a in vars(plan).values() if isinstance(a, cp.ndarray)}
+    every.update(images)
+    per = plan.shape.B * plan.shape.Hkv
+    return sum(images.values()) // per, (sum(every.values()) - sum(images.values())) // per
+
+
+def bench_bounded(q, k, v, q_offset, cfg, reps, segment):
+    """The bounded schedule (numerics.md §6.7: pass 1's key images one segment at a time) against the
+    separate launches, whole runs (prep + attention), outputs checked bitwise equal; with the device
+    bytes each plan holds per KV head (plan_bytes). Returns (ms separate, ms bounded, bytes separate,
+    bytes bounded)."""
+    import cupy as cp
+
+    from apa_emu.geometry import Shape
+    from apa_gpu.plan import Plan
+
+    qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
+    n, H, d = q.shape
+    S, Hkv, _ = k.shape
+    shape = Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset)
+    plans = [Plan(shape, cfg), Plan(shape, cfg, schedule="bounded", segment=segment)]
+    times, outs = [], []
+    for plan in plans:
+        times.append(_time(lambda: plan.run(qd, kd, vd), reps))
+        plan.run(qd, kd, vd)
+        outs.append(plan.out.get())
+    if outs[0].tobytes() != outs[1].tobytes():
+        raise AssertionError("bounded schedule: the output differs from the separate launches'")
+    return (*times, *(plan_bytes(p) for p in plans))
 
 
 def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
@@ -369,6 +407,9 @@ def main(argv=None) -> int:
                     "sequences (numerics.md §6.6) in one launch, against launching them one by one and cuDNN ragged")
     ap.add_argument("--chunk", type=int, help="also time the last CHUNK rows as a frozen chunk of a KV state "
                     "(numerics.md §5.9) against the same rows as a fresh call")
+    ap.add_argument("--bounded", type=int, nargs="?", const=96, metavar="TILES", help="also time the bounded "
+                    "schedule (numerics.md §6.7) with segments of TILES tiles (default 96) against the separate "
+                    "launches, and report the device bytes per KV head of each")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -391,7 +432,7 @@ def main(argv=None) -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    windows, paged, chunked = [], [], []
+    windows, paged, chunked, bounded = [], [], [], []
     for S in args.keys:
         t0 = time.time()
         dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
@@ -424,6 +465,14 @@ def main(argv=None) -> int:
                            f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
                            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
+        if args.bounded:
+            t_sep, t_b, (img_sep, rest_sep), (img_b, rest_b) = bench_bounded(q, k, v, dump.q_offset, exact_cfg,
+                                                                          args.reps, args.bounded)
+            mb = 1 << 20
+            bounded.append(f"| {S} | {args.bounded} | {share:.4f} | {t_sep:.3f} | {t_b:.3f} | {t_b / t_sep:.3f} | "
+                           f"{img_sep / mb:.2f} | {img_b / mb:.2f} | {rest_sep / mb:.2f} | {rest_b / mb:.2f} | "
+                           f"{2 * S * q.shape[2] * 2 / mb:.2f} |")
+            print(bounded[-1], flush=True)
         if args.chunk:
             t_frozen, t_fresh = bench_chunked(q, k, v, dump.q_offset, exact_cfg, args.reps, args.chunk)
             chunked.append(f"| {S} | {args.chunk} | {t_frozen:.3f} | {t_fresh:.3f} | {t_fresh / t_frozen:.2f} |")
@@ -444,6 +493,13 @@ def main(argv=None) -> int:
                   "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
         print("\n".join(lines[-3:]), flush=True)
+    if bounded:
+        lines += ["", "The bounded schedule (numerics.md §6.7) against the separate launches, bit-exact build, whole "
+                  "runs (prep + attention), outputs bitwise equal; device memory the plan holds beyond the inputs, "
+                  "MiB per KV head:", "",
+                  "| keys | segment tiles | hot share | separate | bounded | bounded / separate | images separate "
+                  "| images bounded | other separate | other bounded | K+V inputs |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *bounded]
     if chunked:
         lines += ["", "Chunked prefill (bit-exact build): the last rows as a frozen chunk of a KV state against the "
                   "same rows as a fresh call, whole apa_gpu.attention calls (host work, prep and attention):", "",

@@ -399,7 +399,7 @@ def cmd_headroom(args):
 
 
 def _schedules(args) -> tuple[str, ...]:
-    return SCHEDULES if args.schedule == "both" else (args.schedule,)
+    return SCHEDULES if args.schedule == "all" else (args.schedule,)
 
 
 def cmd_check(args):
@@ -426,7 +426,9 @@ def cmd_check(args):
                 if div:
                     break
         summary = f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {cfg_name(cfg)}"
-    summary += f", {' and '.join(_schedules(args))} schedule{'s' * (args.schedule == 'both')}"
+    names = _schedules(args)
+    summary += f", {' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)} schedule"
+    summary += "s" * (len(names) > 1)
     if div:
         for line in div.lines():
             say(line)
@@ -663,8 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hypothesis", type=_count, metavar="N",
                    help="check N problems and configs drawn by Hypothesis (apa_gpu/strategies.py) instead of dumps")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
-    p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both",
-                   help="kernel launch schedule: three launches (separate), one persistent launch (fused), or both")
+    p.add_argument("--schedule", choices=[*SCHEDULES, "all"], default="all",
+                   help="kernel launch schedule: one launch per stage (separate), one persistent launch for both "
+                        "passes (fused), pass 1 one segment of tiles at a time (bounded, numerics.md §6.7), or all")
     p.add_argument("--workers", type=_count, default=1, metavar="N", help="emulator processes over the warps")
     p.set_defaults(func=cmd_check)
 

@@ -56,6 +56,7 @@ void syncwarp();
 // mbarrier (pipeline.cuh): the 64-bit word holds the phase (bit 63), the pending bytes (bits
 // 40..62), the expected arrivals (bits 20..39) and the pending arrivals (bits 0..19).
 void mbar_init(uint64_t* bar, uint32_t count);
+void mbar_arrive(uint64_t* bar);
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx);
 void mbar_complete_tx(uint64_t* bar, uint32_t tx);
 void mbar_wait(uint64_t* bar, uint32_t parity);

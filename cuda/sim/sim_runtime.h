@@ -62,6 +62,7 @@ static void mbar_update(uint64_t* bar, uint32_t arrive, uint32_t tx_add, uint32_
             next = (phase << 63) | (tx << 40) | (expected << 20) | pending;
     } while (!__atomic_compare_exchange_n(bar, &cur, next, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
 }
+void mbar_arrive(uint64_t* bar) { mbar_update(bar, 1, 0, 0); }
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 1, tx, 0); }
 void mbar_complete_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 0, 0, tx); }
 void mbar_wait(uint64_t* bar, uint32_t parity) {
