@@ -33,6 +33,17 @@ from . import params
 from .params import Struct
 
 
+# Tensor maps of K and V for pass 2's loads (cuda/pipeline.cuh load_tensors): a box is 64 channels
+# (128 bytes, the swizzle's span) x 1 KV head x 64 keys (a tile).
+TENSOR_MAP_BYTES = 128
+TMA_BOX = (64, 1, 64)
+_CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+_SIM_TENSOR_MAP = np.dtype([("base", np.uint64), ("dim", np.uint64, 3), ("stride", np.uint64, 2),
+                            ("box", np.uint32, 3)], align=True)
+
+
 class _Cuda:
     """CuPy on the current CUDA device."""
 
@@ -88,6 +99,31 @@ class _Cuda:
 
     def synchronize(self) -> None:
         self.xp.cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    @lru_cache(maxsize=None)
+    def _encode():
+        lib = ctypes.CDLL("libcuda.so.1")
+        f = lib.cuTensorMapEncodeTiled
+        f.restype = ctypes.c_int
+        u32, u64 = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64, u64, u32, u32,
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        return f
+
+    def tensor_map(self, x, rows: int, heads: int, d: int) -> np.ndarray:
+        """The CUtensorMap (TENSOR_MAP_BYTES) of the 16-bit tensor x [rows, heads, d] in boxes of 64
+        channels x 1 head x 64 rows with the 128-byte swizzle (cuda/pipeline.cuh tma_load_3d)."""
+        buf = np.zeros(TENSOR_MAP_BYTES + 64, np.uint8)
+        out = buf[-buf.ctypes.data % 64:][:TENSOR_MAP_BYTES]  # 64-byte aligned, as the driver wants
+        arr = lambda t, *v: (t * len(v))(*v)  # noqa: E731
+        rc = self._encode()(out.ctypes.data, _CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, self.address(x),
+                            arr(ctypes.c_uint64, d, heads, rows), arr(ctypes.c_uint64, 2 * d, 2 * d * heads),
+                            arr(ctypes.c_uint32, *TMA_BOX), arr(ctypes.c_uint32, 1, 1, 1), 0,
+                            _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, 0)
+        if rc:
+            raise RuntimeError(f"apa_gpu: cuTensorMapEncodeTiled failed ({rc}) for a tensor {(rows, heads, d)}")
+        return out.copy()
 
 
 class _SimArray(np.ndarray):
@@ -167,6 +203,14 @@ class _Sim:
     def synchronize(self) -> None:
         pass
 
+    def tensor_map(self, x, rows: int, heads: int, d: int) -> np.ndarray:
+        """cuda/sim/cuda_sim.h TensorMap: what the simulator's tma_load_3d reads in place of a CUtensorMap."""
+        m = np.zeros(1, _SIM_TENSOR_MAP)
+        m["base"], m["dim"], m["stride"], m["box"] = self.address(x), (d, heads, rows), (2 * d, 2 * d * heads), TMA_BOX
+        out = np.zeros(TENSOR_MAP_BYTES, np.uint8)
+        out[: m.nbytes] = m.view(np.uint8)
+        return out
+
 
 _BACKENDS = {"cuda": _Cuda, "sim": _Sim}
 
@@ -197,6 +241,7 @@ class Layout(NamedTuple):
     kv_stats: int  # per-head certificate statistics, checked against apa_emu.prep (§5.7)
     cert_threads: int  # block of apa_prep_cert: one thread per slot of a tile
     p1_carry: int  # pass 1's per-row state between the bounded schedule's launches (§6.7), binary32s
+    tensor_map_bytes: int  # checked against TENSOR_MAP_BYTES
 
 
 @dataclass(frozen=True)
@@ -226,7 +271,7 @@ def check_layout(values, variant) -> Layout:
                            f"{len(Layout._fields)}")
     lay = Layout(*values)
     want = dict(tile=TILE, visit_bytes=tr.VISIT_DTYPE.itemsize, row_bytes=tr.row_dtype(variant.d).itemsize,
-                kv_stats=len(KV_STATS))
+                kv_stats=len(KV_STATS), tensor_map_bytes=TENSOR_MAP_BYTES)
     bad = {k: (getattr(lay, k), v) for k, v in want.items() if getattr(lay, k) != v}
     if bad:
         raise RuntimeError(f"apa_gpu: {variant.name} disagrees with apa_emu (kernel, host): {bad}")

@@ -108,7 +108,7 @@ CERT = Struct("CertConsts", [("sd", F32), ("cs", F32), ("c2", F32), ("fast", F32
 
 # cuda/pass2.cuh Pass2Args.
 PASS2_ARGS = Struct("Pass2Args", [
-    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
+    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("kv_maps", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
     ("cq", PTR), ("qstat", PTR), ("kvstat", PTR), ("bound", PTR),
     ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("cert", CERT),
 ])
@@ -124,5 +124,5 @@ FUSED = Struct("FusedParams", [
 KERNELS = {
     **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v",
                      "apa_prep_cert"), PREP),
-    "apa_pass1": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
+    "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
 }

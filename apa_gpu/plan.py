@@ -19,7 +19,9 @@ from .params import KERNELS
 # the device memory beyond the inputs does not grow with the context (numerics.md §6.7). Scheduling
 # changes no result bit.
 SCHEDULES = ("separate", "fused", "bounded")
-SEGMENT_TILES = 96  # the bounded schedule's segment: the seed's ring slot (apa-blog.txt, the window ring)
+# The bounded schedule's segment: with the sink tile, the images of the seed's window ring (apa-blog.txt:
+# the sink tile and two slots of 96 tiles), which our launches fill one after the other.
+SEGMENT_TILES = 192
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -181,6 +183,7 @@ class Plan:
         table, page_size = pages if pages is not None else (None, 0)
         self.kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
         self.kv = (k, v)
+        self._tensor_maps(k, v, table is None)
         self._prep_params = dict(
             sz=self.sizes, q=q, k=k, v=v, pages=self.kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
@@ -206,6 +209,19 @@ class Plan:
         else:
             self._form(from_tile, s.ntiles)
             self.images.held = s.S // TILE
+
+    def _tensor_maps(self, k, v, contiguous: bool) -> None:
+        """Pass 2's tensor maps of contiguous k and v ([rows, Hkv, d], every batch entry's keys; cuda/
+        pipeline.cuh load_tensors), kept while k and v stay where they are; paged: none (cp.async rows)."""
+        be = device.backend()
+        where = (be.address(k), be.address(v), k.size) if contiguous else None
+        if where is not None and where != getattr(self, "_maps_for", None):
+            rows = k.size // (self.shape.Hkv * self.shape.d)
+            self.kv_maps = be.xp.asarray(np.concatenate([be.tensor_map(x, rows, self.shape.Hkv, self.shape.d)
+                                                         for x in (k, v)]))
+        elif where is None:
+            self.kv_maps = None
+        self._maps_for = where
 
     def _span(self, lo: int, hi: int, first: int = 0) -> dict:
         """cuda/common.cuh TileSpan of a launch over tiles lo .. hi-1 whose non-sink tiles start at
@@ -243,7 +259,7 @@ class Plan:
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
                      output=self.output)
         k, v = self.kv
-        pass2 = dict(q=q, k=k, v=v, pages=self.kv_pages, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
+        pass2 = dict(q=q, k=k, v=v, pages=self.kv_pages, kv_maps=self.kv_maps, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
                      out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
                      trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
                      cert=cfg.cert_consts(s.d)._asdict())
@@ -264,8 +280,8 @@ class Plan:
                 self._form(lo, hi, lo)
                 if not self.all_hot:  # the segment holding tile 1 also visits the sink tile 0
                     span = self._span(0 if lo == 1 else lo, hi, lo)
-                    self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=dict(pass1, span=span)),
-                                 self.smem1)
+                    self._launch("apa_pass1_segment", grid, threads,
+                                 dict(sz=self.sizes, pass1=dict(pass1, span=span)), self.smem1)
         elif not self.all_hot:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)

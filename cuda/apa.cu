@@ -8,7 +8,7 @@
 //   -> apa_prep_cert (after prep_k and prep_v: it reads their images)
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge, reading K and V as given),
 // or the prep kernels, then apa_fused; or, bounded (§6.7), the statistics and apa_prep_q, then per
-// segment of tiles apa_prep_k, _v, _cert into the same images and apa_pass1 over the segment, then
+// segment of tiles apa_prep_k, _v, _cert into the same images and apa_pass1_segment over it, then
 // apa_pass2. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
@@ -108,7 +108,15 @@ extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const _
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
     APA_DYNAMIC_SMEM(smem);
     const Geom g(p.sz, blockIdx.z);
-    if (g.has_cta(blockIdx.x)) pass1_cta(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+    if (g.has_cta(blockIdx.x)) pass1_cta<false>(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
+}
+
+// Pass 1 over one segment of tiles (the bounded schedule, §6.7): the CTA's steps whose tiles lie in
+// p.pass1.span, resumed from and ended with the carried state unless they are its first and last.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1_segment(const __grid_constant__ Pass1Params p) {
+    APA_DYNAMIC_SMEM(smem);
+    const Geom g(p.sz, blockIdx.z);
+    if (g.has_cta(blockIdx.x)) pass1_cta<true>(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass2(const __grid_constant__ Pass2Params p) {
@@ -159,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
         const Geom g(p.sz, b);
         const bool real = g.has_cta(qb);
         if (ticket < n1) {
-            if (real) pass1_cta(p.pass1, g, smem, b, hk, qb, fresh);
+            if (real) pass1_cta<false>(p.pass1, g, smem, b, hk, qb, fresh);
             __syncthreads();  // all of the item's global writes are done
             if (threadIdx.x == 0) {
                 __threadfence();
@@ -184,9 +192,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // Constants the host reads back (apa_gpu/device.py Layout) instead of repeating them: the CTA's
 // warps and the tile (§6.2, §6.3), the prep-statistics block and its keys per chunk, the dynamic
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
-// the trace record sizes (checked against apa_emu.trace's dtypes), and pass 1's carried row state.
+// the trace record sizes (checked against apa_emu.trace's dtypes), pass 1's carried row state, and
+// the bytes of a tensor map (checked against apa_gpu/device.py's).
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
-                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS, P1_CARRY);
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS, P1_CARRY, TENSOR_MAP_BYTES);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),
@@ -216,7 +225,7 @@ APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq
 APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
                   APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
-                  APA_FIELD(Pass2Args, pages),
+                  APA_FIELD(Pass2Args, pages), APA_FIELD(Pass2Args, kv_maps),
                   APA_FIELD(Pass2Args, sh), APA_FIELD(Pass2Args, part), APA_FIELD(Pass2Args, ml),
                   APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, cq),
                   APA_FIELD(Pass2Args, qstat), APA_FIELD(Pass2Args, kvstat), APA_FIELD(Pass2Args, bound),

@@ -294,6 +294,7 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
 }
 
 // One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see TileRing::reset.
+template <bool SEGMENT>
 __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
                                           int qb, bool fresh) {
     constexpr int NKS = D / 16;   // channel k-steps
@@ -305,8 +306,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     TileRing<P1_STAGES> ring(smem);
     ring.reset(fresh, 1);
     __syncthreads();
-    int i0, i1;  // the steps of this launch (§6.7; all of them but in the bounded schedule)
-    step_range(wr.Fmin, wr.Tmax, a.ascending, a.span.lo, a.span.hi, i0, i1);
+    int i0 = 0, i1 = wr.steps;  // the steps of this launch: all, or the bounded schedule's segment (§6.7)
+    if constexpr (SEGMENT) step_range(wr.Fmin, wr.Tmax, a.ascending, a.span.lo, a.span.hi, i0, i1);
     const int nst = i1 - i0;
     if (nst == 0) return;  // the whole CTA
 
@@ -335,7 +336,6 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
     for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     int visit = 0;
-    if (i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
     [[maybe_unused]] uint8_t* trace_base = nullptr;
 #if APA_TRACE
     if (wr.warp_active) {
@@ -382,6 +382,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     for (int j = 0; j < nst; ++j) {
         const int t = visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
+        // A resumed run's state (§6.7). Only the segment kernel has this code: with o loaded, ptxas
+        // serializes the kernel's wgmma (its warning C7515).
+        if constexpr (SEGMENT)
+            if (j == 0 && i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
         if (j > 0 && ring.release(j - 1) && j - 1 + P1_STAGES < nst) load(j - 1 + P1_STAGES);
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
@@ -469,7 +473,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
     if (!wr.warp_active) return;
-    if (i1 < wr.steps)
+    if (SEGMENT && i1 < wr.steps)
         p1_carry(a, geo, wr, bh, true, o, m_lo, m_hi, r_lo, r_hi, visit);
     else
         p1_export(a, geo, wr, bh, o, m_lo, m_hi, r_lo, r_hi);

@@ -18,6 +18,7 @@ struct Pass2Args {
     const uint16_t* k;       // the inputs: [B, S, Hkv, D] f16, or page pools (§5.0)
     const uint16_t* v;
     KvPages pages;           // table null: contiguous
+    const void* kv_maps;     // contiguous: the tensor maps of k and v (apa_gpu/device.py); paged: null
     const float* sh;         // [B, Hkv, Rp]
     const float* part;       // [B, Hkv, Rp, D] (unused when all_hot)
     const float* ml;         // [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot)
@@ -313,7 +314,8 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     const int nwords = (wr.Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw_buf + (wr.warp_active ? wr.w : 0)) * geo.W_buf;
     TileRing<P2_STAGES> ring(smem);
-    ring.reset(fresh, 32);
+    ring.reset(fresh, a.kv_maps ? 1 : 32);
+    if (a.kv_maps && (threadIdx.x & 31) == 0) tensormap_acquire(a.kv_maps);
     uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
     uint32_t* Hs = U + geo.W + wr.wl * geo.W;  // this warp's words
 
@@ -363,7 +365,11 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
 
     // The ring's steps are the union's tiles in ascending order (§8: each warp's own hot tiles in
     // ascending order). ahead = the tile of step i + P2_STAGES, which the last reader of step i loads.
-    auto load = [&](int i, int t) {  // K and V of keys 64t.., keys >= S zero (§8.1)
+    // K and V of keys 64t.. (§8.1). Keys >= S are zeros through the rows (paged), or through the
+    // tensor maps the next sequence's keys or zeros: finite either way (validated inputs), so their
+    // masked scores and P = +0 make the same bits (§3.1: zero products add nothing).
+    auto load = [&](int i, int t) {
+        if (a.kv_maps) return ring.load_tensors(i, a.kv_maps, hk, (int)(geo.k0 + (long long)t * TILE));
         ring.load_rows(i, a.k, a.v, [&](int j) {
             const int key = t * TILE + j;
             if (key >= geo.S) return -1LL;

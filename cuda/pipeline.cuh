@@ -8,10 +8,10 @@
 // ALU work.
 //
 // Protocol, per stage s = i mod NS of the CTA's i-th tile:
-//   full[s]  mbarrier; consumers wait on its phase parity. Pass 1: one arrival, the loader's
-//            expect_tx of the stage's bytes, which its two bulk copies of tile images (prep.cuh)
-//            count. Pass 2: 32 arrivals, each lane of the loading warp's once its cp.async copies of
-//            K and V rows (from the inputs) have landed.
+//   full[s]  mbarrier; consumers wait on its phase parity. One arrival, the loader's expect_tx of
+//            the stage's bytes, which its copies count: in pass 1 two bulk copies of tile images
+//            (prep.cuh), in pass 2 tensor copies of K and V from the inputs. Paged K and V: 32
+//            arrivals, each lane of the loading warp's once its cp.async copies of rows have landed.
 //   done[s]  release counter: every warp adds 1 (acq_rel) after its last read of the stage; the
 //            warp that brings it to 12 (i / NS + 1) is the last reader, and loads tile i + NS there.
 // Counters only grow (no reset to race with), and every warp waits on every tile of the sequence,
@@ -59,6 +59,27 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
             (uint32_t)__cvta_generic_to_shared(smem)),
         "l"(gmem), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
         : "memory");
+#endif
+}
+// One box of a 3-D tensor map (apa_gpu/device.py tensor_map: 64 channels x 1 head x 64 keys, the
+// 128-byte swizzle, rows past the tensor zero) at coordinates (c0, c1, c2) into shared memory,
+// counted on bar when it lands. The map lives in global memory, written before the launch.
+__device__ __forceinline__ void tma_load_3d(void* smem, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+#ifdef APA_SIM
+    apa_sim::tma_load_3d(smem, map, c0, c1, c2, bar);
+#else
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"((uint32_t)__cvta_generic_to_shared(bar))
+        : "memory");
+#endif
+}
+// Makes a tensor map that the host wrote to global memory before the launch visible to this
+// thread's tensor copies (the tensormap proxy).
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+#ifndef APA_SIM
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
 #endif
 }
 // Orders this thread's generic-proxy accesses before its later async-proxy ones (bulk copies,
@@ -116,6 +137,7 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
 // A stage holds two tile images of TILE * D halves (K̂ then V̂ᵀ in pass 1, K then V in pass 2: prep
 // writes them, mma.cuh sw128_half), 1024-byte aligned (the period of the 128-byte swizzle).
 constexpr int RING_MAX_STAGES = 6;
+constexpr int TENSOR_MAP_BYTES = 128;  // a CUtensorMap (apa_gpu/device.py)
 constexpr int RING_SYNC_BYTES = 80;
 constexpr int RING_ALIGN = 1024;
 constexpr int STAGE_HALVES = 2 * TILE * D;
@@ -166,6 +188,22 @@ struct TileRing {
             mbar_arrive_expect_tx(bar, 2u * TILE * D * 2);
             bulk_copy(st, kimg, TILE * D * 2, bar);
             bulk_copy(st + TILE * D, vimg, TILE * D * 2, bar);
+        }
+    }
+    // Every lane of the warp that loads step i: K and V of keys row0 .. row0+63 of KV head hk, as
+    // D/64 boxes each of the tensor maps maps[0] (K) and maps[1] (V), by lane 0.
+    __device__ __forceinline__ void load_tensors(int i, const void* maps, int hk, int row0) {
+        if ((threadIdx.x & 31) == 0) {
+            uint64_t* bar = full + i % NS;
+            uint16_t* st = stage(i);
+            const char* m = static_cast<const char*>(maps);
+            fence_proxy_async();
+            mbar_arrive_expect_tx(bar, 2u * TILE * D * 2);
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+                tma_load_3d(st + cb * TILE * 64, m, 64 * cb, hk, row0, bar);
+                tma_load_3d(st + TILE * D + cb * TILE * 64, m + TENSOR_MAP_BYTES, 64 * cb, hk, row0, bar);
+            }
         }
     }
     // Every lane of the warp that loads step i: K and V of the tile's 64 keys into the stage's two

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apa_emu.config import Config  # noqa: E402
 from apa_emu.study.synth import synthetic_preset  # noqa: E402
+from apa_gpu.plan import SEGMENT_TILES  # noqa: E402
 
 
 L2_FLUSH_BYTES = 256 << 20  # more than the H200's 50 MB of L2
@@ -407,9 +408,9 @@ def main(argv=None) -> int:
                     "sequences (numerics.md §6.6) in one launch, against launching them one by one and cuDNN ragged")
     ap.add_argument("--chunk", type=int, help="also time the last CHUNK rows as a frozen chunk of a KV state "
                     "(numerics.md §5.9) against the same rows as a fresh call")
-    ap.add_argument("--bounded", type=int, nargs="?", const=96, metavar="TILES", help="also time the bounded "
-                    "schedule (numerics.md §6.7) with segments of TILES tiles (default 96) against the separate "
-                    "launches, and report the device bytes per KV head of each")
+    ap.add_argument("--bounded", type=int, nargs="*", metavar="TILES", help="also time the bounded schedule "
+                    "(numerics.md §6.7) with segments of each TILES tiles (default apa_gpu.plan.SEGMENT_TILES) "
+                    "against the separate launches, and report the device bytes per KV head of each")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -465,11 +466,11 @@ def main(argv=None) -> int:
                            f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
                            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
             print(windows[-1], flush=True)
-        if args.bounded:
+        for seg in ([SEGMENT_TILES] if args.bounded == [] else args.bounded or []):
             t_sep, t_b, (img_sep, rest_sep), (img_b, rest_b) = bench_bounded(q, k, v, dump.q_offset, exact_cfg,
-                                                                          args.reps, args.bounded)
+                                                                          args.reps, seg)
             mb = 1 << 20
-            bounded.append(f"| {S} | {args.bounded} | {share:.4f} | {t_sep:.3f} | {t_b:.3f} | {t_b / t_sep:.3f} | "
+            bounded.append(f"| {S} | {seg} | {share:.4f} | {t_sep:.3f} | {t_b:.3f} | {t_b / t_sep:.3f} | "
                            f"{img_sep / mb:.2f} | {img_b / mb:.2f} | {rest_sep / mb:.2f} | {rest_b / mb:.2f} | "
                            f"{2 * S * q.shape[2] * 2 / mb:.2f} |")
             print(bounded[-1], flush=True)

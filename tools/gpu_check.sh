@@ -55,7 +55,7 @@ stamp "build (ptxas report in $OUTDIR/build.txt)"
 "$PY" -m apa_gpu.build --report -j "$(nproc)" > "$OUTDIR/build.txt" 2>&1 || { cat "$OUTDIR/build.txt"; echo "BUILD FAILED"; exit 1; }
 grep -E "cubin|apa_pass" "$OUTDIR/build.txt" | sed 's#.*/##' | head -60
 
-stamp "apa check: the built-in dump and generated problems, kernel vs emulator, both schedules"
+stamp "apa check: the built-in dump and generated problems, kernel vs emulator, every schedule"
 # The same command anyone who edits cuda/ runs (apa_emu/study/check.py); a divergence prints its
 # stage, warp, tile and field and leaves a reproducer in $APA_GPU_REPRO_DIR.
 CHECK_N=$([ "$QUICK" = 1 ] && echo 8 || echo 24)

@@ -60,6 +60,17 @@ void mbar_arrive(uint64_t* bar);
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx);
 void mbar_complete_tx(uint64_t* bar, uint32_t tx);
 void mbar_wait(uint64_t* bar, uint32_t parity);
+// The simulator's stand-in for a CUtensorMap (apa_gpu/device.py _Sim.tensor_map): a 3-D tensor of
+// 16-bit elements, dims and byte strides innermost first, loaded in boxes with the 128-byte swizzle.
+struct TensorMap {
+    uint64_t base;
+    uint64_t dim[3];
+    uint64_t stride[2];  // bytes, of dims 1 and 2
+    uint32_t box[3];
+};
+// cp.async.bulk.tensor.3d ... .tile: the box at (c0, c1, c2), rows past the tensor zero, each
+// 128-byte row's 16-byte chunk j stored at chunk j ^ (row mod 8); complete_tx of its bytes on bar.
+void tma_load_3d(void* smem, const void* map, int c0, int c1, int c2, uint64_t* bar);
 }  // namespace apa_sim
 
 #define threadIdx (::apa_sim::ctx().tid)

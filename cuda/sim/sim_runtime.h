@@ -65,6 +65,23 @@ static void mbar_update(uint64_t* bar, uint32_t arrive, uint32_t tx_add, uint32_
 void mbar_arrive(uint64_t* bar) { mbar_update(bar, 1, 0, 0); }
 void mbar_arrive_expect_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 1, tx, 0); }
 void mbar_complete_tx(uint64_t* bar, uint32_t tx) { mbar_update(bar, 0, 0, tx); }
+void tma_load_3d(void* smem, const void* map, int c0, int c1, int c2, uint64_t* bar) {
+    const TensorMap& m = *static_cast<const TensorMap*>(map);
+    uint16_t* dst = static_cast<uint16_t*>(smem);
+    const uint32_t w = m.box[0];  // elements per box row: 64 (128 bytes)
+    for (uint32_t z = 0; z < m.box[2]; ++z)
+        for (uint32_t y = 0; y < m.box[1]; ++y) {
+            const uint32_t row = z * m.box[1] + y;
+            for (uint32_t x = 0; x < w; ++x) {
+                const uint64_t gx = (uint64_t)c0 + x, gy = (uint64_t)c1 + y, gz = (uint64_t)c2 + z;
+                uint16_t val = 0;
+                if (gx < m.dim[0] && gy < m.dim[1] && gz < m.dim[2])
+                    memcpy(&val, reinterpret_cast<const char*>(m.base) + gz * m.stride[1] + gy * m.stride[0] + 2 * gx, 2);
+                dst[row * w + ((((x >> 3) ^ row) & 7) << 3) + (x & 7)] = val;
+            }
+        }
+    mbar_complete_tx(bar, 2u * w * m.box[1] * m.box[2]);
+}
 void mbar_wait(uint64_t* bar, uint32_t parity) {
     while ((__atomic_load_n(bar, __ATOMIC_ACQUIRE) >> 63) == parity) std::this_thread::yield();
 }
