@@ -188,8 +188,8 @@ class _Runner:
         self.consts = cfg.pass1_consts()
         self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
                            slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf),
-                           cfg.hot_test == "output")
-        self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul)
+                           cfg.hot_test == "output", cfg.fma)
+        self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul, cfg.fma)
         self.cert = cfg.cert_consts(prep.d)
 
     def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
@@ -252,7 +252,7 @@ class _Runner:
         p1, trace = self._pass1(wr, traced)
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
-        out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft)
+        out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
         p = self.prep
         bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lo, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
                             self._rows(p.qstat, wr, 0), p.kvstat[0], p.qmul, self.cert, self.soft)

@@ -45,7 +45,8 @@ class Config:
     ``scale`` is the softmax scale (None: 1/sqrt(d) rounded as binary32). ``hot_test`` "mass"
     compares a tile's share of the softmax sum with ``eps``, "output" its share of the value-norm
     weighted sum (§7.7). ``v_f16`` rounds V ⊗ (1/vg) to FP16 before it is quantized, as the seed does
-    (§5.5, §12 #6).
+    (§5.5, §12 #6). ``fma`` rounds each of the seed's FMA contraction sites once, as its compiler
+    fuses them (§1.8, §12 #3).
     """
 
     eps: float = 0.005
@@ -67,13 +68,14 @@ class Config:
     scale: float | None = None
     hot_test: str = "mass"
     v_f16: bool = False
+    fma: bool = False
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
-        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16"):
+        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16", "fma"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.q_terms not in (1, 2):

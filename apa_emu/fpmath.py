@@ -181,6 +181,38 @@ def up2(x):
 
 
 @njit(cache=True)
+def fma32(a, b, c):
+    """The correctly rounded binary32 a·b + c, one rounding (numerics.md §1.8: the seed's FMA sites
+    under config ``fma``). a·b of two binary32 is exact in binary64. TwoSum gives the binary64 sum s and
+    its error; an inexact s is moved to its odd neighbour on the error's side (round to odd, which
+    keeps the sticky information), and the one RNE cast to binary32 then rounds as a single
+    operation would: binary64 carries more than 24 + 2 bits, also where the result is a binary32
+    subnormal (normal in binary64)."""
+    p = np.float64(a) * np.float64(b)
+    c64 = np.float64(c)
+    s = p + c64
+    if not np.isfinite(s):
+        return np.float32(s)
+    v = s - p
+    err = (p - (s - v)) + (c64 - v)
+    if err != 0.0:
+        m, e = math.frexp(s)
+        if int(m * 9007199254740992.0) & 1 == 0:  # 2⁵³: the significand's last bit is 0
+            s = np.nextafter(s, np.inf if err > 0.0 else -np.inf)
+    return np.float32(s)
+
+
+@njit(cache=True)
+def fma32_arrays(a, b, c):
+    """fma32 elementwise over three binary32 arrays of one shape (the merge's rows)."""
+    out = np.empty(a.shape, np.float32)
+    fa, fb, fc, fo = a.ravel(), b.ravel(), c.ravel(), out.ravel()
+    for i in range(fa.size):
+        fo[i] = fma32(fa[i], fb[i], fc[i])
+    return out
+
+
+@njit(cache=True)
 def f16_fma(a, b, c):
     """f16(a·b + c) rounded once, for binary16 values held as float32 (numerics.md §4.4, the
     seed's ``__hfma2``).

@@ -33,12 +33,19 @@ def merge_weights(m1, l1, m2, l2, soft: bool):
     return big, w1, w2, w1 * l1 + w2 * l2
 
 
-def merge(m1, l1, part, m2, l2, o2, soft: bool) -> np.ndarray:
-    """§9 (every warp, §9.5) for arrays of rows: m/l [R], part/o2 [R, d] (binary32). Returns the FP16 output [R, d]."""
+def merge(m1, l1, part, m2, l2, o2, soft: bool, fma: bool = False) -> np.ndarray:
+    """§9 (every warp, §9.5) for arrays of rows: m/l [R], part/o2 [R, d] (binary32). Returns the FP16
+    output [R, d]. ``fma``: the seed's fused denominator and numerator (§1.8)."""
     _, w1, w2, den = merge_weights(m1, l1, m2, l2, soft)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # padding rows: 0/0
+        if fma:
+            den = fpmath.fma32_arrays(w1, l1, w2 * l2)
         inv = F32(1) / den  # §9.3
-        num = w1[:, None] * part + w2[:, None] * o2
+        if fma:
+            w1b = np.ascontiguousarray(np.broadcast_to(w1[:, None], part.shape))
+            num = fpmath.fma32_arrays(w1b, np.ascontiguousarray(part, F32), w2[:, None] * o2)
+        else:
+            num = w1[:, None] * part + w2[:, None] * o2
         return (num * inv[:, None]).astype(np.float16)  # §9.4
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from .formats import E2M1_VALUES, e2m1_code, ue4m3_value
-from .fpmath import LG2, exp2, f16r
+from .fpmath import LG2, exp2, f16r, fma32
 from .geometry import GROUP, GROUPS, ROWS, TILE
 from .mma import mma_exact, mma_sm90_f32, mma_sm120
 
@@ -69,6 +69,7 @@ class P1Mode(NamedTuple):
     slots: np.ndarray  # int64 [64]: key of each slot (§7.3)
     vk: np.float32  # §7.10: vg ⊗ Kf
     output: bool  # the output hot test (§7.7)
+    fma: bool  # the seed's FMA sites (§1.8)
 
 
 class P1State(NamedTuple):
@@ -150,7 +151,7 @@ def p1_frame(s, k0, rows, slots, tau, m, gm, c):
 def p1_pscale(gm, cq, c, k, mode):
     """§7.4: the UE4M3 code kb of one (row, group), the bias of its P' exponents, and §7.8's bound
     a_g = min(dec(kb), 24 ⊗ exp2(u₀)) of what the group's keys weigh below the E2M1 grid."""
-    u0 = gm * cq + (k.A - c)
+    u0 = fma32(gm, cq, k.A - c) if mode.fma else gm * cq + (k.A - c)
     u = min(max(u0, np.float32(-6)), np.float32(8))
     fl = np.floor(u)
     if mode.pow2:
@@ -164,13 +165,13 @@ def p1_pscale(gm, cq, c, k, mode):
 
 
 @njit(cache=True)
-def p1_pprime(y, cq, bias, soft, quant_p):
-    """§7.5: P' = exp2((s ⊗ c_q) ⊕ bias); the fast quantized mode (§2) takes y by one FMA and the
-    binary16 hardware exp2 (model)."""
+def p1_pprime(y, cq, bias, soft, quant_p, fma):
+    """§7.5: P' = exp2((s ⊗ c_q) ⊕ bias), or exp2(fma(s, c_q, bias)) (§1.8); the fast quantized mode
+    (§2) takes y by one FMA and the binary16 hardware exp2 (model)."""
     if quant_p and not soft:
         yf = np.float32(np.float64(y) * np.float64(cq) + np.float64(bias))
         return f16r(exp2(f16r(min(yf, np.float32(4))), False))
-    return exp2(y * cq + bias, soft)
+    return exp2(fma32(y, cq, bias) if fma else y * cq + bias, soft)
 
 
 @njit(cache=True)
@@ -193,7 +194,8 @@ def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
                 slot = g * GROUP + i
                 j = mode.slots[slot]
                 visible = rows.lo[r] <= k0 + j <= rows.lim[r]
-                pp = p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p) if visible else np.float32(0)
+                pp = (p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p, mode.fma) if visible
+                      else np.float32(0))
                 if mode.quant_p:
                     code = e2m1_code(pp)
                     pcodes[r, slot] = code
@@ -224,14 +226,14 @@ def p1_row_sums(model, phat, pcodes, pscales, nu, output, tl2):
 
 
 @njit(cache=True)
-def p1_hot_test(tl2, valid, st, c, eps, soft, output):
-    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c); the output test
-    compares tv with lv instead."""
+def p1_hot_test(tl2, valid, st, c, eps, soft, output, fma):
+    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c), or ε ⊗ fma(la, a, tl)
+    (§1.8); the output test compares tv with lv instead."""
     for r in range(ROWS):
         if valid[r]:
             a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], soft)
             x, run = (tl2[r, 1], st.lv[r]) if output else (tl2[r, 0], st.la[r])
-            if x > eps * (run * a + x):
+            if x > eps * (fma32(run, a, x) if fma else run * a + x):
                 return True
     return False
 
@@ -264,9 +266,9 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
         for r in range(ROWS):
             if rows.valid[r]:
                 b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.soft)
-                st.la[r] = st.la[r] + tl2[r, 0] * b
+                st.la[r] = fma32(tl2[r, 0], b, st.la[r]) if mode.fma else st.la[r] + tl2[r, 0] * b
                 if mode.output:
-                    st.lv[r] = st.lv[r] + tl2[r, 1] * b
+                    st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
         p1_update(c, rows.valid, st, mode.soft)
@@ -330,7 +332,7 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
         p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
         p1_row_sums(mode.model, phat, pcodes, pscales, ops.nu_t[t if mode.output else 0], mode.output, tl2)
-        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft, mode.output)
+        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft, mode.output, mode.fma)
         p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
         if traced:
             p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from .fpmath import exp2, f16r
+from .fpmath import exp2, f16r, fma32
 from .geometry import ROWS, TILE
 from .mma import mma_exact, mma_sm90_f16, mma_sm90_f32
 
@@ -32,6 +32,7 @@ class P2Mode(NamedTuple):
     f32_out: bool  # p2_accum = "f32" (§8.5)
     soft: bool  # exp2s or the fast mode (§2)
     qmul: np.float32  # §5.3
+    fma: bool  # the seed's FMA sites (§1.8): x = fma(float(S), qmul, −sh)
 
 
 class P2Out(NamedTuple):
@@ -57,7 +58,10 @@ def p2_scores(mode, q16, k16, t, zero_s, s, rows, x):
         mma_sm90_f16(q16, k16[k0:k0 + TILE], zero_s, s)
     for r in range(ROWS):
         for j in range(TILE):
-            x[r, j] = s[r, j] * mode.qmul - rows.sh[r] if rows.lo[r] <= k0 + j <= rows.lim[r] else NEG_INF
+            if rows.lo[r] <= k0 + j <= rows.lim[r]:
+                x[r, j] = fma32(s[r, j], mode.qmul, -rows.sh[r]) if mode.fma else s[r, j] * mode.qmul - rows.sh[r]
+            else:
+                x[r, j] = NEG_INF
 
 
 @njit(cache=True)

@@ -257,12 +257,12 @@ class Plan:
                      trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
-                     output=self.output)
+                     output=self.output, fma=cfg.fma)
         k, v = self.kv
         pass2 = dict(q=q, k=k, v=v, pages=self.kv_pages, kv_maps=self.kv_maps, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
                      out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
                      trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
-                     cert=cfg.cert_consts(s.d)._asdict())
+                     fma=cfg.fma, cert=cfg.cert_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)

@@ -121,6 +121,7 @@ def configs(draw):
         scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
         hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
         v_f16=draw(st.booleans()),
+        fma=draw(st.booleans()),
     )
 
 

@@ -24,6 +24,10 @@ __device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b)
 __device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float fdiv(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float fsqrt(float a) { return __fsqrt_rn(a); }  // correctly rounded
+// §1.8: a ⊗ b ⊕ c, or at the seed's FMA sites under config fma (`fused`) one rounding of a·b + c.
+__device__ __forceinline__ float madd(float a, float b, float c, bool fused) {
+    return fused ? __fmaf_rn(a, b, c) : fadd(fmul(a, b), c);
+}
 // IEEE maxNum / minNum (numerics.md notation: max/min are exact).
 __device__ __forceinline__ float fmax_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float fmin_(float a, float b) { return fminf(a, b); }

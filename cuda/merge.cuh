@@ -10,19 +10,20 @@ struct MergeWeights {
     float M, w1, w2, den, inv;
 };
 
-// §9.1–9.3: the weights of pass 1's (m1, l1) and pass 2's (m2, l2), their denominator and its inverse.
-__device__ __forceinline__ MergeWeights merge_weights(float m1, float l1, float m2, float l2) {
+// §9.1–9.3: the weights of pass 1's (m1, l1) and pass 2's (m2, l2), their denominator (which the
+// certificate reads) and the inverse of the output's, fused under config fma (§1.8).
+__device__ __forceinline__ MergeWeights merge_weights(float m1, float l1, float m2, float l2, bool fused) {
     const float M = fmaxf(m1, m2);                                   // §9.1
     const float w1 = (l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f;         // §9.2
     const float w2 = (l2 > 0.0f) ? exp2x(fsub(m2, M)) : 0.0f;
     const float den = fadd(fmul(w1, l1), fmul(w2, l2));             // §9.3
-    return {M, w1, w2, den, fdiv(1.0f, den)};
+    return {M, w1, w2, den, fdiv(1.0f, fused ? madd(w1, l1, fmul(w2, l2), true) : den)};
 }
 
 // §9.4: two adjacent output channels from pass 1's part and pass 2's o2, as an f16x2 pair.
-__device__ __forceinline__ uint32_t merge_out2(const MergeWeights& mw, float2 part, float o2a, float o2b) {
-    const float ya = fmul(fadd(fmul(mw.w1, part.x), fmul(mw.w2, o2a)), mw.inv);
-    const float yb = fmul(fadd(fmul(mw.w1, part.y), fmul(mw.w2, o2b)), mw.inv);
+__device__ __forceinline__ uint32_t merge_out2(const MergeWeights& mw, float2 part, float o2a, float o2b, bool fused) {
+    const float ya = fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), fused), mw.inv);
+    const float yb = fmul(madd(mw.w1, part.y, fmul(mw.w2, o2b), fused), mw.inv);
     return f16x2(ya, yb);
 }
 

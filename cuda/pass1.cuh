@@ -33,6 +33,7 @@ struct Pass1Args {
     int interleaved;         // P groups (§7.3)
     int quant_p;             // §7.5
     int output;              // hot test (§7.7): 0 = mass, 1 = output
+    int fma;                 // the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
@@ -138,11 +139,11 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
 // §7.7 hot test: a warp vote over the valid rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
 // (x, run) = (tl, la) for the mass test and (tv, lv) for the output test.
 __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
-                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps) {
+                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused) {
     const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
     const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-    const bool hp_lo = wr.v_lo && x_lo > fmul(eps, fadd(fmul(run_lo, a_lo), x_lo));
-    const bool hp_hi = wr.v_hi && x_hi > fmul(eps, fadd(fmul(run_hi, a_hi), x_hi));
+    const bool hp_lo = wr.v_lo && x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused));
+    const bool hp_hi = wr.v_hi && x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused));
     return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
 }
 
@@ -150,12 +151,12 @@ __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, floa
 // (The caller sets the hot bit and zeroes P̂, so the tile adds nothing to o.)
 template <int NDN>
 __device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, float& m, P1Sums& r,
-                                              float (&o)[NDN][4], int half) {
+                                              float (&o)[NDN][4], int half, bool fused) {
     const float f = fmaxf(m, fsub(c, delta));
     const float b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
     p1_update(f, m, r, o, half);
-    r.la = fadd(r.la, fmul(tl, b));
-    r.lv = fadd(r.lv, fmul(tv, b));
+    r.la = madd(tl, b, r.la, fused);
+    r.lv = madd(tv, b, r.lv, fused);
 }
 
 // §7.8 cold branch for one row: frame c, la ⊕= tl, lv ⊕= tv, lc ⊕= tl, ad ⊕= the groups' a_g summed in
@@ -184,7 +185,7 @@ __device__ __forceinline__ float p1_group_mass(float my_mass) {
 // jump table serializes them).
 __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float lg2_lane,
                                            float& scale, float& mass) {
-    const float u0 = fadd(fmul(gm, cq), fsub(a.A, c));
+    const float u0 = madd(gm, cq, fsub(a.A, c), a.fma);
     const float u = fminf(fmaxf(u0, -6.0f), 8.0f);
     const float fl = floorf(u);
     const float Lc = fsub(a.L, c);
@@ -219,7 +220,8 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 template <bool QUANT>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
                                           float my_bias_hi, float my_sc_lo, float my_sc_hi,
-                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4]) {
+                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4],
+                                          bool fused) {
     tl4[0] = tl4[1] = tl4[2] = tl4[3] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -246,7 +248,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const bool hi = e >= 2;
-                    const float y = fadd(fmul(s[2 * gi + j][e], hi ? cq_hi : cq_lo), hi ? bias_hi : bias_lo);
+                    const float y = madd(s[2 * gi + j][e], hi ? cq_hi : cq_lo, hi ? bias_hi : bias_lo, fused);
                     ph[j][e] = QUANT ? e2m1_exp2s_scaled(y, hi ? sc_hi : sc_lo) : fmul(exp2x(y), hi ? sc_hi : sc_lo);
                 }
             }
@@ -420,17 +422,18 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             }
             float tl4[4];  // §7.6 tile row sums (and tv in tl4[1], tl4[3])
             if (a.quant_p)
-                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4);
+                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4, a.fma);
             else
-                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4);
+                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4, a.fma);
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // Without the output test lv runs beside la on ones (tv = tl) and nothing reads it.
             const float tv_lo = tl4[1], tv_hi = tl4[3];
-            const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps)
-                                      : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps);
+            const bool hot = a.output
+                                 ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps, a.fma)
+                                 : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps, a.fma);
             if (hot) {
-                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0);
-                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1);
+                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0, a.fma);
+                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1, a.fma);
                 if (wr.lane == 0) atomicOr(hot_w + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;

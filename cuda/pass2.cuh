@@ -32,6 +32,7 @@ struct Pass2Args {
     const int* row_base;     // [B, Hkv, nw]: record index of the warp's first row, -1 = not traced
     float qmul;
     int all_hot;             // ε < 0 (§9.6): no pass 1, every active tile hot
+    int fma;                 // the seed's FMA sites (§1.8): §8.1 x, §9.3-9.4
     CertConsts cert;
 };
 
@@ -66,7 +67,7 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
 // One hot tile of one warp (§8.1-8.5).
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
                                         const uint16_t* Vs, int t, const WarpRows& wr, float sh_lo, float sh_hi,
-                                        float qmul) {
+                                        float qmul, bool fused) {
     constexpr int NKS = D / 16, NDN = D / 8;
     const int lane = threadIdx.x & 31, t0 = lane & 3;
     // ldmatrix row addresses in the tile images: sw128_half(r, c, TILE) with the lane's r and c
@@ -100,8 +101,8 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             const int key = t * TILE + 8 * nt + 2 * t0 + e;
             const float slo = f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0]));
             const float shi = f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1]));
-            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : fsub(fmul(slo, qmul), sh_lo);
-            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : fsub(fmul(shi, qmul), sh_hi);
+            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : madd(slo, qmul, -sh_lo, fused);
+            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : madd(shi, qmul, -sh_hi, fused);
         }
     }
     // §8.2 frame.
@@ -235,7 +236,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
 #pragma unroll
             for (int i = 0; i < 3; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp_buf + r) * 3 + i);
         }
-        mw[half] = merge_weights(ml[half][0], ml[half][1], half ? st.m_hi : st.m_lo, half ? l2_hi : l2_lo);
+        mw[half] = merge_weights(ml[half][0], ml[half][1], half ? st.m_hi : st.m_lo, half ? l2_hi : l2_lo, a.fma);
         const int i_q = r / geo.G, h = hk * geo.G + r % geo.G;
         uint16_t* orow = a.out + ((geo.q0 + i_q) * geo.H + h) * D;
         const float* prow = a.part + (bh * geo.Rp_buf + r) * D;
@@ -252,7 +253,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             float2 pv = make_float2(0.0f, 0.0f);
             if (!a.all_hot) pv = __ldcg(reinterpret_cast<const float2*>(prow + c));
             const float o2a = p2_o2(st, dn, half, 0), o2b = p2_o2(st, dn, half, 1);
-            const uint32_t pr = merge_out2(mw[half], pv, o2a, o2b);
+            const uint32_t pr = merge_out2(mw[half], pv, o2a, o2b, a.fma);
             *reinterpret_cast<uint32_t*>(orow + c) = pr;
             bad[half] |= (pr & 0x7C00u) == 0x7C00u || (pr & 0x7C000000u) == 0x7C000000u;
 #if APA_TRACE
@@ -386,7 +387,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         ring.wait(i);
         const uint16_t* stage = ring.stage(i);
         if (wr.warp_active && cur <= wr.Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
-            p2_tile(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul);
+            p2_tile(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul, a.fma);
         if (ring.release(i) && ahead <= wr.Tmax) load(i + P2_STAGES, ahead);
         ahead = p2_next_tile(U, ahead + 1, wr.Tmax);
         cur = p2_next_tile(U, cur + 1, wr.Tmax);

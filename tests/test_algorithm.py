@@ -474,3 +474,37 @@ def test_v_f16_rounds_the_scaled_value_to_fp16():
         p = prepare(q, k, v, 1, cfg)
         assert p.vg[0] == 128
         assert p.vhat_t[0, 0, 5, 1] == np.float32(want)  # tile 0, channel 5, slot 1 = key 1
+
+
+def test_fma_lifts_the_row_maximum_groups_scale_one_step():
+    """§1.8 ``fma`` at §7.4's u = fma(gm, c_q, A ⊖ c), the seed's fmaf. Take gm = 100, c_q = 1 + 2⁻²²
+    and the frame c = gm ⊗ c_q of the group that holds the row maximum: the exact product
+    100 + 100·2⁻²² lies 2⁻²⁰ above c = 100 + 3·2⁻¹⁷ (it rounds down), and A ⊖ c = −96 − 3·2⁻¹⁷ is
+    exact. Unfused, u = c ⊕ (A ⊖ c) = 4 exactly: mi = 0, UE4M3 code 8·(4 + 7) = 88, scale 16. Fused,
+    u = 100 + 100·2⁻²² − 96 − 3·2⁻¹⁷ = 4 + 2⁻²⁰ exactly: exp2(2⁻²⁰) > 1 gives mi = 1, code 89, scale 18."""
+    from apa_emu.formats import ue4m3_value
+    from apa_emu.pass1 import P1Mode, p1_pscale
+
+    gm, cq = np.float32(100), np.float32(1 + 2.0**-22)
+    c = gm * cq
+    assert float(c) == 100 + 3 * 2.0**-17
+    k = Config().pass1_consts()
+    assert k.A == 4
+    for fma, code, scale in ((False, 88, 16), (True, 89, 18)):
+        mode = P1Mode(0, True, False, True, np.arange(64), np.float32(1), False, fma)
+        kb = p1_pscale(gm, cq, c, k, mode)[0]
+        assert (kb, float(ue4m3_value(np.uint8(kb)))) == (code, scale)
+
+
+def test_fma_sites_change_bits_and_only_under_the_toggle():
+    """Config ``fma`` (§1.8) on a problem with hot and cold tiles: it moves output bits (the seed's
+    contraction is not a no-op), by FP16 rounding steps, not by a broken path."""
+    from apa_gpu.strategies import make_inputs
+
+    q, k, v = make_inputs(3, 1, 64, 2, 3, 64, 900, "sink", batched=False)
+    cfg = Config(eps=0.05)
+    base = attention(q, k, v, 900 - 64, cfg)
+    fused = attention(q, k, v, 900 - 64, cfg.replace(fma=True))
+    assert 0 < base.hot_tiles < base.active_tiles
+    assert (base.out != fused.out).any()
+    assert np.abs(base.out.astype(np.float64) - fused.out.astype(np.float64)).max() < 0.01

@@ -78,7 +78,7 @@ def test_certificate_covers_every_pair(cfg):
 
 
 def _mode(soft=True, pow2=False):
-    return P1Mode(0, soft, pow2, True, np.arange(64), F32(1), False)
+    return P1Mode(0, soft, pow2, True, np.arange(64), F32(1), False, False)
 
 
 def test_group_scale_mass_by_hand():

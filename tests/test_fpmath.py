@@ -19,6 +19,7 @@ from apa_emu.fpmath import (
     exp2s_np,
     f16_fma,
     f16r,
+    fma32,
     up2,
 )
 
@@ -271,3 +272,34 @@ def test_f16_fma_single_rounding():
         want = _f16_exact_rne(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
         got = f16_fma(np.float32(a), np.float32(b), np.float32(c))
         assert got == want, (a, b, c)
+
+
+def _f32_exact_rne(q: Fraction) -> np.float32:
+    """The binary32 nearest to the rational q, ties to the even significand (finite results): the
+    oracle of fma32, from the two binary32 neighbours of q's binary64 approximation."""
+    f = np.float32(float(q))
+    around = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return min(around, key=lambda x: (abs(Fraction(float(x)) - q), int(x.view(np.uint32)) & 1))
+
+
+def test_fma32_single_rounding():
+    """fma32 (§1.8) against exact rational arithmetic: random triples, and products that are exact
+    binary32 midpoints, (1 + m₁2⁻¹²)(1 + m₂2⁻¹²) with m₁m₂ odd, plus a c far below the product's
+    binary64 ulp. There the binary64 sum is the midpoint itself and rounding it again to binary32 goes
+    to even, while the single rounding follows c's sign."""
+    rng = np.random.default_rng(8)
+    cases, twice = [], 0
+    for _ in range(4000):
+        a, b = (rng.standard_normal(2) * 2.0 ** rng.integers(-60, 60, 2)).astype(np.float32)
+        cases.append((a, b, np.float32(rng.standard_normal() * 2.0 ** rng.integers(-60, 60))))
+        m1, m2 = 2 * rng.integers(0, 700, 2) + 1
+        e = int(rng.integers(-40, 40))
+        a, b = np.float32((1 + m1 * 2.0**-12) * 2.0**e), np.float32(1 + m2 * 2.0**-12)
+        cases.append((a, b, np.float32(rng.choice([-1, 1]) * 2.0 ** (e - int(rng.integers(60, 90))))))
+    for a, b, c in cases:
+        exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+        want = _f32_exact_rne(exact)
+        got = np.float32(fma32(a, b, c))
+        assert got.view(np.uint32) == want.view(np.uint32), (a, b, c)
+        twice += np.float32(float(exact)).view(np.uint32) != want.view(np.uint32)
+    assert twice > 100, "too few cases where binary64-then-binary32 rounds twice: the probe proves little"

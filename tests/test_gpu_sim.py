@@ -168,6 +168,13 @@ SCRIPT = textwrap.dedent(
     run(63, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum="f32"), schedule="bounded", segment=1)
     run(64, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True, schedule="bounded", segment=1)
     run_varlen(65, [(9, 150), (70, 700), (1, 64)], 3, 1, 64, Config(eps=0.05), schedule="bounded", segment=3)
+
+    # The seed's FMA sites (§1.8, config fma) on both sides: §7.4's u, §7.5's y, the hot test and hot
+    # branch (mass and output tests), pass 2's x and the merge; P' unquantized, pow2 scales.
+    run(70, 70, 3, 1, 700, 64, 640, Config(eps=0.2, fma=True, hot_test="output"), sink=True)
+    run(71, 40, 2, 1, 300, 128, 260, Config(eps=0.05, fma=True, p2_accum="f32"), sink=True, schedule="bounded",
+        segment=2)
+    run(72, 16, 3, 1, 130, 64, 114, Config(eps=0.02, fma=True, quant_p=False, p_scale="pow2"), sink=True)
     """
 )
 
@@ -178,14 +185,14 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 32, r.stdout
+    assert len(lines) == 35, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
     assert counts[9][0] == 0, "ε = 1 can make no tile hot"
     assert all(0 < h < a for h, a, _ in counts[15:17]), "an output-test problem did not mix hot and cold tiles"
     bounded = [c for line, c in zip(lines, counts) if " bounded " in line]
-    assert len(bounded) == 6 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
+    assert len(bounded) == 7 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
 
 
 @pytest.fixture(scope="module")
