@@ -217,11 +217,10 @@ __device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pa
 // C = +0 against bw (ones, and in the odd columns ν under the output test: tl4[1], tl4[3] are then tv),
 // each step issued as soon as its group is done, so that the tensor core's latency hides behind the
 // next group's P'.
-template <bool QUANT>
+template <bool QUANT, bool FUSED>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
                                           float my_bias_hi, float my_sc_lo, float my_sc_hi,
-                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4],
-                                          bool fused) {
+                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4]) {
     tl4[0] = tl4[1] = tl4[2] = tl4[3] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -248,7 +247,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const bool hi = e >= 2;
-                    const float y = madd(s[2 * gi + j][e], hi ? cq_hi : cq_lo, hi ? bias_hi : bias_lo, fused);
+                    const float y = madd(s[2 * gi + j][e], hi ? cq_hi : cq_lo, hi ? bias_hi : bias_lo, FUSED);
                     ph[j][e] = QUANT ? e2m1_exp2s_scaled(y, hi ? sc_hi : sc_lo) : fmul(exp2x(y), hi ? sc_hi : sc_lo);
                 }
             }
@@ -421,10 +420,14 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 bw[gi][1] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g + 8) : ONES_H2;
             }
             float tl4[4];  // §7.6 tile row sums (and tv in tl4[1], tl4[3])
+            // The element loop compiled per (quantized P', fused y): a run-time select there costs ~5 %.
+#define APA_PFRAGS(QUANT, FUSED) \
+    p1_pfrags<QUANT, FUSED>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4)
             if (a.quant_p)
-                p1_pfrags<true>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4, a.fma);
+                a.fma ? APA_PFRAGS(true, true) : APA_PFRAGS(true, false);
             else
-                p1_pfrags<false>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4, a.fma);
+                a.fma ? APA_PFRAGS(false, true) : APA_PFRAGS(false, false);
+#undef APA_PFRAGS
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // Without the output test lv runs beside la on ones (tv = tl) and nothing reads it.
             const float tv_lo = tl4[1], tv_hi = tl4[3];

@@ -64,10 +64,11 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     st.l4_lo = st.l4_hi = 0.0f;
 }
 
-// One hot tile of one warp (§8.1-8.5).
+// One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
+template <bool FUSED>
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
                                         const uint16_t* Vs, int t, const WarpRows& wr, float sh_lo, float sh_hi,
-                                        float qmul, bool fused) {
+                                        float qmul) {
     constexpr int NKS = D / 16, NDN = D / 8;
     const int lane = threadIdx.x & 31, t0 = lane & 3;
     // ldmatrix row addresses in the tile images: sw128_half(r, c, TILE) with the lane's r and c
@@ -101,8 +102,8 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             const int key = t * TILE + 8 * nt + 2 * t0 + e;
             const float slo = f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0]));
             const float shi = f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1]));
-            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : madd(slo, qmul, -sh_lo, fused);
-            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : madd(shi, qmul, -sh_hi, fused);
+            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : madd(slo, qmul, -sh_lo, FUSED);
+            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : madd(shi, qmul, -sh_hi, FUSED);
         }
     }
     // §8.2 frame.
@@ -386,8 +387,12 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     for (int i = 0; cur <= wr.Tmax; ++i) {
         ring.wait(i);
         const uint16_t* stage = ring.stage(i);
-        if (wr.warp_active && cur <= wr.Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u))
-            p2_tile(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul, a.fma);
+        if (wr.warp_active && cur <= wr.Tw && ((Hs[cur >> 5] >> (cur & 31)) & 1u)) {
+            if (a.fma)  // compiled twice: a run-time select in the element loop costs ~15 % of pass 2
+                p2_tile<true>(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul);
+            else
+                p2_tile<false>(st, qa, stage, stage + TILE * D, cur, wr, sh_lo, sh_hi, a.qmul);
+        }
         if (ring.release(i) && ahead <= wr.Tmax) load(i + P2_STAGES, ahead);
         ahead = p2_next_tile(U, ahead + 1, wr.Tmax);
         cur = p2_next_tile(U, cur + 1, wr.Tmax);
