@@ -122,14 +122,29 @@ class Config:
         return constants.cert_consts(d, p2_out, self.exp2 == "fast", self.delta)
 
     @classmethod
+    def seed(cls, **changes) -> "Config":
+        """The seed's (APA 0.6.1) arithmetic as far as the spec models it (numerics.md §12): its FP4 MMA
+        (``mma="sm120"``, two chained Q MMAs), its FMA sites, interleaved P groups and f16(v/vg).
+        What it cannot reproduce is listed in §12 ("seed preset")."""
+        return dataclasses.replace(cls(mma="sm120", fma=True, p_groups="interleaved", v_f16=True), **changes)
+
+    @classmethod
     def from_overrides(cls, items: list[str], base: "Config | None" = None) -> "Config":
-        """Build a config from ``key=value`` strings (the CLI's ``--config`` toggles)."""
+        """Build a config from ``key=value`` strings (the CLI's ``--config`` toggles); ``preset=seed``
+        starts from Config.seed() and must come first."""
         base = base or cls()
+        if items and items[0].replace(" ", "").lower().startswith("preset="):
+            name = items[0].partition("=")[2].strip()
+            if name != "seed":
+                raise ValueError(f"--config {items[0]!r}: the one preset is 'seed' (numerics.md §12)")
+            base, items = cls.seed(), items[1:]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         changes = {}
         for item in items:
             key, sep, raw = item.partition("=")
             key = key.strip().replace("-", "_")
+            if key == "preset":
+                raise ValueError(f"--config {item!r}: a preset must come first, before the toggles it starts from")
             if not sep or key not in fields:
                 raise ValueError(f"--config {item!r}: expected key=value with key one of {', '.join(fields)}")
             current = getattr(base, key)

@@ -508,3 +508,19 @@ def test_fma_sites_change_bits_and_only_under_the_toggle():
     assert 0 < base.hot_tiles < base.active_tiles
     assert (base.out != fused.out).any()
     assert np.abs(base.out.astype(np.float64) - fused.out.astype(np.float64)).max() < 0.01
+
+
+def test_seed_preset():
+    """Config.seed() and ``--config preset=seed``: the seed's modelled arithmetic (numerics.md §12),
+    toggles after the preset applied on top of it; a preset after a toggle, or another name, refused."""
+    seed = Config.seed()
+    assert (seed.mma, seed.fma, seed.p_groups, seed.v_f16) == ("sm120", True, "interleaved", True)
+    assert Config.from_overrides(["preset=seed"]) == seed
+    assert Config.from_overrides(["preset=seed", "eps=0.02"]) == seed.replace(eps=0.02)
+    with pytest.raises(ValueError, match="must come first"):
+        Config.from_overrides(["eps=0.02", "preset=seed"])
+    with pytest.raises(ValueError, match="the one preset is 'seed'"):
+        Config.from_overrides(["preset=seed-0.8"])
+    q, k, v = (np.random.default_rng(2).standard_normal((m, 2, 64)).astype(np.float16) for m in (20, 140, 140))
+    res = attention(q, k, v, 120, seed)  # runs end to end under the sm120 model
+    assert np.isfinite(res.out.astype(np.float32)).all()

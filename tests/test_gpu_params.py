@@ -7,10 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import apa_gpu
+from apa_emu.config import Config
+from apa_emu.geometry import Shape
 from apa_gpu import device, probes
 from apa_gpu.build import PROBE, Variant
 from apa_gpu.params import F32, FUSED, GEOM_SIZES, I32, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct, name_hash
-
+from apa_gpu.plan import Plan
 
 
 class _Buf:
@@ -21,6 +24,8 @@ class _Buf:
 
 
 INTS = dict(n=5, H=6, Hkv=2, S=300, q_offset=295, window=0, S_buf=640)
+_SHAPE = Shape(B=1, n=5, H=6, Hkv=2, S=300, d=64, q_offset=295)
+_QKV = (np.zeros((5, 6, 64), np.float16), np.zeros((300, 2, 64), np.float16), np.zeros((300, 2, 64), np.float16), 295)
 SIZES = INTS | dict(cu_q=None, cu_k=_Buf(0x9000))  # a null and a set pointer, each in its own field
 
 
@@ -82,3 +87,28 @@ def test_reordered_struct_is_refused():
     bad = Struct("Pass2Params", [("sz", GEOM_SIZES), ("pass2", Struct("Pass2Args", fields))])
     with pytest.raises(RuntimeError, match="Pass2Args"):
         device.kernel(Variant(d=64), "apa_pass2", bad)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: apa_gpu.attention(*_QKV, schedule="separate", segment_tiles=4),
+     r"^segment_tiles=4: only the bounded schedule has segments, not schedule='separate'$"),
+    (lambda: Plan(_SHAPE, Config(), schedule="bounded", segment=0), r"^segment=0: expected a positive number of tiles$"),
+    (lambda: Plan(_SHAPE, Config(), schedule="bounded", segment=True), r"^segment=True: expected a positive"),
+    (lambda: Plan(_SHAPE, Config(), schedule="ring"), r"^schedule='ring': expected one of separate, fused, bounded$"),
+])
+def test_bounded_schedule_refuses_bad_arguments(call, message):
+    """One-line errors before anything is built or launched (no GPU needed)."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_bounded_segments_follow_the_visiting_order():
+    """§6.7: tiles after the sink in segments of T, highest first for the diagonal order."""
+    plan = object.__new__(Plan)
+    plan.shape, plan.segment = _SHAPE, 2  # 300 keys: 5 tiles, the sink and 4 after it
+    plan.cfg = Config()
+    assert plan.segments() == [(3, 5), (1, 3)]
+    plan.cfg = Config(tile_order="ascending")
+    assert plan.segments() == [(1, 3), (3, 5)]
+    plan.shape = Shape(B=1, n=1, H=1, Hkv=1, S=10, d=64, q_offset=9)  # one tile: an empty segment, the sink
+    assert plan.segments() == [(1, 1)]
