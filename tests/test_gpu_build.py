@@ -101,15 +101,19 @@ def test_head_dims_are_those_the_sources_allow(d):
 @pytest.mark.parametrize("variant", QUICK, ids=lambda v: v.name)
 def test_ptx_has_no_fma_ftz_or_approx(variant):
     """numerics.md §1.1–1.2: every binary32 operation is a single rounding without flush; the only
-    fused operations are the binary16 fma of quant16 (§4.4) and the exact FMAs of the P' thresholds
-    (§7.5); MUFU only in the fast exp2 variant."""
+    fused operations are the binary16 fma of quant16 (§4.4), the exact FMAs of the P' thresholds
+    (§7.5) and config fma's sites (§1.8, fpmath.cuh madd, marked in the PTX); MUFU only in the fast
+    exp2 variant."""
     ptx = _ptx(variant)
     ops = re.findall(r"^\s+([a-z][a-z0-9_.]*)", ptx, flags=re.M)
     fused = {o for o in ops if o.startswith("fma") and o != "fma.rn.f16"}
-    # The only binary32 FMAs: formats.cuh e2m1_exp2s_scaled (§7.5), 7 saturated steps and 2 exact
-    # sums per call.
     assert fused <= {"fma.rn.f32", "fma.rn.sat.f32"}, fused
-    assert 7 * ops.count("fma.rn.f32") == 2 * ops.count("fma.rn.sat.f32"), "a binary32 FMA outside the P' thresholds"
+    # The binary32 FMAs besides madd's: formats.cuh e2m1_exp2s_scaled (§7.5), 7 saturated steps and 2
+    # exact sums per call.
+    madd = len(re.findall(r"^\s+fma\.rn\.f32 [^\n]*// madd$", ptx, flags=re.M))
+    plain = ops.count("fma.rn.f32") - madd
+    assert madd > 0, "config fma's sites are missing"
+    assert 7 * plain == 2 * ops.count("fma.rn.sat.f32"), "a binary32 FMA outside the P' thresholds and madd"
     assert not {o for o in ops if ".ftz" in o}
     assert not {o for o in ops if ".approx" in o}
     arith = {o for o in ops if re.match(r"(add|sub|mul|div)\.[a-z0-9.]*f(16|32)", o)}
