@@ -97,7 +97,7 @@ MUTANTS = [
     Mutant("K5", "kernel merge: cold part not rescaled (w1 = 1)", "cuda/merge.cuh",
            "(l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f", "(l1 > 0.0f) ? 1.0f : 0.0f", SIM),
     Mutant("K6", "kernel P-scale exponent fused (the seed's fmaf)", "cuda/pass1.cuh",
-           "const float u0 = fadd(fmul(gm, cq), fsub(a.A, c));", "const float u0 = __fmaf_rn(gm, cq, fsub(a.A, c));",
+           "madd(gm, cq, fsub(a.A, c), a.fma)", "madd(gm, cq, fsub(a.A, c), true)",
            SIM),
     Mutant("K7", "kernel pass 1: ad not rescaled when the frame moves", "cuda/pass1.cuh",
            "        r.ad = fmul(r.ad, alpha);\n", "", SIM),
