@@ -118,6 +118,7 @@ class Plan:
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
         self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         self.carry = xp.empty((B, Hkv, s.Rp, lay.p1_carry), np.float32) if self.bounded else None
+        self.kv_maps, self._maps_for = None, None  # pass 2's tensor maps, and the k and v they describe
         # The hot words and the state's images are strided by the state's room (S_buf), or by S.
         S_buf = images.tiles * TILE if images is not None else 0
         self.hot = xp.zeros((B, Hkv, s.nw, cdiv(S_buf // TILE or s.ntiles, 32)), np.uint32)
@@ -181,11 +182,10 @@ class Plan:
         The bounded schedule forms only the sink tile's images here, and each segment's in attend."""
         s, cfg, lay = self.shape, self.cfg, self.layout
         table, page_size = pages if pages is not None else (None, 0)
-        self.kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
-        self.kv = (k, v)
+        kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
         self._tensor_maps(k, v, table is None)
-        self._prep_params = dict(
-            sz=self.sizes, q=q, k=k, v=v, pages=self.kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
+        self._prep_params = dict(  # pass 2 reads k, v and pages from here too
+            sz=self.sizes, q=q, k=k, v=v, pages=kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
             khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
             quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
@@ -215,13 +215,11 @@ class Plan:
         pipeline.cuh load_tensors), kept while k and v stay where they are; paged: none (cp.async rows)."""
         be = device.backend()
         where = (be.address(k), be.address(v), k.size) if contiguous else None
-        if where is not None and where != getattr(self, "_maps_for", None):
+        if where != self._maps_for:
             rows = k.size // (self.shape.Hkv * self.shape.d)
-            self.kv_maps = be.xp.asarray(np.concatenate([be.tensor_map(x, rows, self.shape.Hkv, self.shape.d)
-                                                         for x in (k, v)]))
-        elif where is None:
-            self.kv_maps = None
-        self._maps_for = where
+            self.kv_maps = None if where is None else be.xp.asarray(
+                np.concatenate([be.tensor_map(x, rows, self.shape.Hkv, self.shape.d) for x in (k, v)]))
+            self._maps_for = where
 
     def _span(self, lo: int, hi: int, first: int = 0) -> dict:
         """cuda/common.cuh TileSpan of a launch over tiles lo .. hi-1 whose non-sink tiles start at
@@ -258,10 +256,10 @@ class Plan:
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
                      output=self.output, fma=cfg.fma)
-        k, v = self.kv
-        pass2 = dict(q=q, k=k, v=v, pages=self.kv_pages, kv_maps=self.kv_maps, sh=self.sh, part=self.part, ml=self.ml, hot=self.hot,
-                     out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat, bound=self.bound,
-                     trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
+        p = self._prep_params
+        pass2 = dict(q=q, k=p["k"], v=p["v"], pages=p["pages"], kv_maps=self.kv_maps, sh=self.sh, part=self.part,
+                     ml=self.ml, hot=self.hot, out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat,
+                     bound=self.bound, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
                      fma=cfg.fma, cert=cfg.cert_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
