@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,6 +275,22 @@ def _init_worker(runner: _Runner) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@contextmanager
+def worker_pool(method: str, n: int, initializer, initargs=()):
+    """A process pool that Ctrl-C cannot split: ``Pool()`` cleans up the workers it has started only
+    on an Exception, so a KeyboardInterrupt inside it, or between a fork and the child's registration,
+    leaves a worker that nothing ends and that holds the terminal's pipes open after the parent exits.
+    SIGINT stays pending until the pool exists and the ``with`` holds it; its exit then ends every
+    worker (who inherit the mask, and ignore SIGINT anyway)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with mp.get_context(method).Pool(n, initializer=initializer, initargs=initargs) as pool:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            yield pool
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _run_in_worker(w: int) -> WarpResult:
     return _WORKER_RUNNER.run(w)
 
@@ -351,7 +368,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         runner = _Runner(shape, b, hk, prep, cfg, want)
         if workers > 1 and len(todo) > 1:
             n_proc = min(workers, os.cpu_count() or 1, len(todo))
-            with mp.get_context("fork").Pool(n_proc, initializer=_init_worker, initargs=(runner,)) as pool:
+            with worker_pool("fork", n_proc, _init_worker, (runner,)) as pool:
                 done = pool.imap(_run_in_worker, todo, chunksize=max(1, len(todo) // (8 * workers)))
                 for res in done:
                     results.append((b, hk, res))

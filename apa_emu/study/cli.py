@@ -126,17 +126,11 @@ class _CtrlC:
     """SIGINT as KeyboardInterrupt in the main process only: forked workers inherit the handler and let
     Ctrl-C pass (the pool's exit ends them; their tracebacks would bury the one line).
 
-    Python prints and swallows an exception raised in a fork hook, and a Ctrl-C that lands while the
-    pool forks its workers runs the handler inside one: then the signal is only remembered, and the
-    next progress step raises it."""
+    Python prints and swallows an exception raised in a finalizer, and the handler may run inside
+    one: the signal is remembered too, and the next progress step raises it."""
 
     def __init__(self):
-        self.pid, self.hit, self.forking = os.getpid(), False, False
-        os.register_at_fork(before=lambda: self._fork(True), after_in_parent=lambda: self._fork(False),
-                            after_in_child=lambda: self._fork(False))
-
-    def _fork(self, begins: bool):
-        self.forking = begins
+        self.pid, self.hit = os.getpid(), False
 
     def arm(self):
         self.pid, self.hit = os.getpid(), False
@@ -145,8 +139,7 @@ class _CtrlC:
     def __call__(self, signum, frame):
         if os.getpid() == self.pid:
             self.hit = True
-            if not self.forking:
-                raise KeyboardInterrupt
+            raise KeyboardInterrupt
 
     def watch(self, progress):
         def update(done, total):

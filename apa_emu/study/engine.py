@@ -9,14 +9,13 @@ Several GPUs split the units statically, one process per GPU.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import signal
 from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
 
-from ..api import Result, attention
+from ..api import Result, attention, worker_pool
 from ..config import Config
 from ..geometry import ROWS, TILE, cdiv
 from . import fp64
@@ -301,7 +300,7 @@ def _on_devices(engine: Engine, dumps, units, configs, split, trace, progress):
               [units[u] for u in share], configs, split, trace)
              for device, share in zip(engine.devices, shares) if share]
     runs = [None] * len(units)
-    with mp.get_context("spawn").Pool(len(tasks), initializer=_ignore_ctrl_c) as pool:
+    with worker_pool("spawn", len(tasks), _ignore_ctrl_c) as pool:
         for done, (share, result) in enumerate(pool.imap_unordered(_device_task, tasks), 1):
             for u, r in zip(share, result):
                 runs[u] = r
