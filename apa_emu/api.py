@@ -19,7 +19,7 @@ from .merge import certificate, merge
 from .paging import unpage
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
-from .prep import Prepared, prep_bytes, prepare, slot_keys, unpack_rows
+from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
 
 F32 = np.float32
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
@@ -189,7 +189,7 @@ class _Runner:
         self.consts = cfg.pass1_consts()
         self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
                            slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf),
-                           cfg.hot_test == "output", cfg.fma)
+                           cfg.hot_test == "output", cfg.fma, cfg.direct_store and cfg.eps >= 0, prep.vg[0])
         self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul, cfg.fma)
         self.cert = cfg.cert_consts(prep.d)
 
@@ -199,13 +199,17 @@ class _Runner:
         valid = wr.valid.reshape((-1,) + (1,) * (sel.ndim - 1))
         return np.where(valid, sel, pad).astype(x.dtype)
 
+    def _p1_rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
+        """A per-row prep array as pass 1 reads it: under ``pad_vote`` a padding row holds row R − 1's
+        (§6.2; ``wr.rows`` is clamped there), else ``pad``."""
+        return np.ascontiguousarray(x[0, wr.rows]) if self.cfg.pad_vote else self._rows(x, wr, pad)
+
     def _fp4(self, wr: WarpRows) -> FP4Operands:
         p = self.prep
         if self.mode.model != SM120:
             return FP4Operands.unused()
-        zero_pad = wr.valid[None, :, None]
-        return FP4Operands(np.ascontiguousarray(p.q_codes[:, 0, wr.rows] * zero_pad),
-                           np.ascontiguousarray(p.q_scales[:, 0, wr.rows] * zero_pad),
+        codes, scales = (np.moveaxis(self._p1_rows(np.moveaxis(x, 0, 2), wr, 0), 1, 0) for x in (p.q_codes, p.q_scales))
+        return FP4Operands(np.ascontiguousarray(codes), np.ascontiguousarray(scales),
                            p.k_codes[0], p.k_scales[0], p.v_codes_t[0], p.v_scales_t[0])
 
     def _pass1(self, wr: WarpRows, traced: bool) -> tuple[P1Out, tr.VisitTrace]:
@@ -218,8 +222,12 @@ class _Runner:
         order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
         trace = tr.visit_trace(order.shape[0] if traced else 0)
         nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
-        ops = P1Operands(self._rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
-        rows = P1Rows(wr.valid, wr.lim, wr.lo, self._rows(p.cq, wr, 1))
+        ops = P1Operands(self._p1_rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
+        if cfg.pad_vote:  # §6.2: padding rows run with their own unclamped key ranges
+            r = np.arange(wr.w * ROWS, (wr.w + 1) * ROWS)
+            rows = P1Rows(wr.valid, np.ones(ROWS, bool), self.shape.lim(r), self.shape.lo(r), self._p1_rows(p.cq, wr, 1))
+        else:
+            rows = P1Rows(wr.valid, wr.valid, wr.lim, wr.lo, self._rows(p.cq, wr, 1))
         pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
         return out, trace
 
@@ -253,7 +261,10 @@ class _Runner:
         p1, trace = self._pass1(wr, traced)
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
-        out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
+        if self.mode.direct and not len(tiles):  # §9.5: the seed's direct store
+            out = p1.direct.astype(np.float16)
+        else:
+            out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
         p = self.prep
         bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lo, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
                             self._rows(p.qstat, wr, 0), p.kvstat[0], p.qmul, self.cert, self.soft)
@@ -348,6 +359,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         raise ValueError(f"progress: expected a callable progress(done, total) or None, got {progress!r}")
     _check_memory(shape)
     frozen = None if kv_state is None else kvstate.begin(kv_state, kb, vb, n, shape.q_offset)
+    if frozen is None and cfg.k_stats == "sampled":
+        frozen = call_stats(kb, vb, cfg.v_f16)  # §5.10: its overflow redo is one decision for the call
     G, nw = shape.G, shape.nw
     chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
     groups = [(b, hk) for b in range(B) for hk in range(shape.Hkv)

@@ -20,10 +20,15 @@ CHOICES = {
     "p_groups": ("consecutive", "interleaved"),
     "exp2": ("soft", "fast"),
     "hot_test": ("mass", "output"),
+    "k_stats": ("exact", "sampled"),
+    "p2_shift": ("sequential", "lanes"),
 }
 
 
 F32_MAX = float(np.finfo(np.float32).max)
+# What Config.seed() sets: the seed's (APA 0.6.1) arithmetic where it differs from ours (numerics.md §12).
+SEED_TOGGLES = dict(mma="sm120", fma=True, p_groups="interleaved", v_f16=True, k_stats="sampled", pad_vote=True,
+                    p2_shift="lanes", direct_store=True)
 
 
 def _in_binary32(x) -> bool:
@@ -46,7 +51,11 @@ class Config:
     compares a tile's share of the softmax sum with ``eps``, "output" its share of the value-norm
     weighted sum (§7.7). ``v_f16`` rounds V ⊗ (1/vg) to FP16 before it is quantized, as the seed does
     (§5.5, §12 #6). ``fma`` rounds each of the seed's FMA contraction sites once, as its compiler
-    fuses them (§1.8, §12 #3).
+    fuses them (§1.8, §12 #3). ``k_stats`` "sampled" takes the K mean and the head scales from sampled
+    chunks summed in the seed's binary32 order, with its overflow redo (§5.10, §12 #5); ``pad_vote`` lets
+    padding rows vote with the Q of the last row (§6.2, §12 #7); ``p2_shift`` "lanes" forms the pass-2
+    row shift per lane as the seed does (§5.3, §12 #9); ``direct_store`` stores a warp with no hot tile
+    straight from pass 1 (§9.5, §12 #11).
     """
 
     eps: float = 0.005
@@ -69,13 +78,17 @@ class Config:
     hot_test: str = "mass"
     v_f16: bool = False
     fma: bool = False
+    k_stats: str = "exact"
+    pad_vote: bool = False
+    p2_shift: str = "sequential"
+    direct_store: bool = False
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
-        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16", "fma"):
+        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16", "fma", "pad_vote", "direct_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.q_terms not in (1, 2):
@@ -124,9 +137,10 @@ class Config:
     @classmethod
     def seed(cls, **changes) -> "Config":
         """The seed's (APA 0.6.1) arithmetic as far as the spec models it (numerics.md §12): its FP4 MMA
-        (``mma="sm120"``, two chained Q MMAs), its FMA sites, interleaved P groups and f16(v/vg).
+        (``mma="sm120"``, two chained Q MMAs), its FMA sites, interleaved P groups, f16(v/vg), sampled K
+        statistics, voting padding rows, the per-lane pass-2 shift and the direct-store epilogue.
         What it cannot reproduce is listed in §12 ("seed preset")."""
-        return dataclasses.replace(cls(mma="sm120", fma=True, p_groups="interleaved", v_f16=True), **changes)
+        return dataclasses.replace(cls(**SEED_TOGGLES), **changes)
 
     @classmethod
     def from_overrides(cls, items: list[str], base: "Config | None" = None) -> "Config":

@@ -58,13 +58,16 @@ def _fingerprint(k, S: int, xp) -> np.ndarray:
     return np.array(x if xp is np else xp.asnumpy(x)).view(np.uint16)
 
 
-def _overflows(k, v, first: int, stats: Stats, xp) -> bool:
-    """§5.9: whether a key first .. S − 1 exceeds 2688 under the frozen statistics, in K or V."""
+def overflows(k, v, first: int, stats: Stats, xp, v_f16: bool = False) -> bool:
+    """§5.9, §5.10: whether a key first .. S − 1 exceeds 2688 under the statistics, in K or in V (the
+    V value §5.5 quantizes under ``v_f16``, §5.10)."""
     kmean = xp.asarray(stats.kmean)[:, None]  # [B, 1, Hkv, d]
     inv_kg = (F32(1) / xp.asarray(stats.kg))[:, None, :, None]
     inv_vg = (F32(1) / xp.asarray(stats.vg))[:, None, :, None]
     xk = (k[:, first:].astype(F32) - kmean) * inv_kg
     xv = v[:, first:].astype(F32) * inv_vg
+    if v_f16:
+        xv = xv.astype(np.float16)
     return bool((xp.abs(xk) > QMAX).any()) or bool((xp.abs(xv) > QMAX).any())
 
 
@@ -89,7 +92,7 @@ def begin(state, k, v, n: int, q_offset: int, xp=np) -> Stats | None:
         reason = "growth"
     elif not np.array_equal(_fingerprint(k, state.length, xp), state.fingerprint):
         reason = "fingerprint"
-    elif _overflows(k, v, state.length, state.stats, xp):
+    elif overflows(k, v, state.length, state.stats, xp):
         reason = "overflow"
     else:
         reason = ""

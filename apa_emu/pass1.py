@@ -2,7 +2,7 @@
 
 One Numba function, ``pass1_warp``, runs one warp of 16 packed rows over its visiting order; it reads
 as §7.1 … §7.10, one helper per section, each named like its twin in ``cuda/pass1.cuh``. The per-row
-statements of the spec become loops over rows; the warp votes are ``any`` over valid rows.
+statements of the spec become loops over rows; the warp votes are ``any`` over the rows that run (§6.2).
 
 Arguments come in groups (Numba takes NamedTuples): ``P1Operands`` (what prep made), ``P1Rows`` (the
 warp's rows), ``P1Mode`` (the model and switches), ``constants.Pass1Consts``, ``P1State`` (the running
@@ -55,7 +55,8 @@ class P1Operands(NamedTuple):
 
 
 class P1Rows(NamedTuple):
-    valid: np.ndarray  # bool [16] (§6.2)
+    valid: np.ndarray  # bool [16]: the real rows, exported and traced (§6.2)
+    runs: np.ndarray  # bool [16]: the rows that run §7 and vote (the real ones; all under pad_vote, §6.2)
     lim: np.ndarray  # int64 [16] (§6.1)
     lo: np.ndarray  # int64 [16] (§6.1)
     cq: np.ndarray  # f32 [16] (§5.3)
@@ -70,6 +71,8 @@ class P1Mode(NamedTuple):
     vk: np.float32  # §7.10: vg ⊗ Kf
     output: bool  # the output hot test (§7.7)
     fma: bool  # the seed's FMA sites (§1.8)
+    direct: bool  # direct_store with pass 1 run: export §9.5's direct output when no tile is hot
+    vg: np.float32  # §5.2 (the direct store's vg ⊘ lc)
 
 
 class P1State(NamedTuple):
@@ -85,18 +88,19 @@ class P1State(NamedTuple):
 
 
 class P1Out(NamedTuple):
-    """§7.10 export and the hot mask."""
+    """§7.10 export, the hot mask, and §9.5's direct output (``direct_store``, when no tile was hot)."""
 
     part: np.ndarray  # [16, d] f32
     m1: np.ndarray  # [16] f32
     l1: np.ndarray  # [16] f32
     ad1: np.ndarray  # [16] f32
     hot_words: np.ndarray  # [W] u32
+    direct: np.ndarray  # [16, d] f32
 
     @classmethod
     def new(cls, d: int, ntiles: int) -> "P1Out":
         return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
-                   np.zeros(-(-ntiles // 32), np.uint32))
+                   np.zeros(-(-ntiles // 32), np.uint32), np.zeros((ROWS, d), F32))
 
 
 @njit(cache=True)
@@ -139,7 +143,7 @@ def p1_frame(s, k0, rows, slots, tau, m, gm, c):
             if gmax > rowmax:
                 rowmax = gmax
         mx[r] = rowmax * rows.cq[r]
-        if rows.valid[r] and mx[r] > m[r] + tau:
+        if rows.runs[r] and mx[r] > m[r] + tau:
             vote = True
     for r in range(ROWS):
         c[r] = m[r]
@@ -176,11 +180,11 @@ def p1_pprime(y, cq, bias, soft, quant_p, fma):
 
 @njit(cache=True)
 def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
-    """§7.4–7.5 for every valid row: P scales per group, then P̂ = e2m1(P')·dec(kb) (quantized) or
-    P' ⊗ dec(kb), and each group's a_g (§7.8). Padding rows, rows with no visible key yet (c = −inf,
-    §7.4) and invisible keys give 0."""
+    """§7.4–7.5 for every running row: P scales per group, then P̂ = e2m1(P')·dec(kb) (quantized) or
+    P' ⊗ dec(kb), and each group's a_g (§7.8). Padding rows (unless they vote, §6.2), rows with no
+    visible key yet (c = −inf, §7.4) and invisible keys give 0."""
     for r in range(ROWS):
-        if not rows.valid[r] or c[r] == NEG_INF:
+        if not rows.runs[r] or c[r] == NEG_INF:
             phat[r, :] = 0
             pcodes[r, :] = 0
             pscales[r, :] = 0
@@ -226,11 +230,11 @@ def p1_row_sums(model, phat, pcodes, pscales, nu, output, tl2):
 
 
 @njit(cache=True)
-def p1_hot_test(tl2, valid, st, c, eps, soft, output, fma):
-    """§7.7: hot if any valid row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c), or ε ⊗ fma(la, a, tl)
+def p1_hot_test(tl2, runs, st, c, eps, soft, output, fma):
+    """§7.7: hot if any running row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c), or ε ⊗ fma(la, a, tl)
     (§1.8); the output test compares tv with lv instead."""
     for r in range(ROWS):
-        if valid[r]:
+        if runs[r]:
             a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], soft)
             x, run = (tl2[r, 1], st.lv[r]) if output else (tl2[r, 0], st.la[r])
             if x > eps * (fma32(run, a, x) if fma else run * a + x):
@@ -239,10 +243,10 @@ def p1_hot_test(tl2, valid, st, c, eps, soft, output, fma):
 
 
 @njit(cache=True)
-def p1_update(x, valid, st, soft):
-    """§7.9: move every row's frame to x, rescaling its sums and its cold output."""
+def p1_update(x, runs, st, soft):
+    """§7.9: move every running row's frame to x, rescaling its sums and its cold output."""
     for r in range(ROWS):
-        if valid[r] and x[r] != st.m[r]:
+        if runs[r] and x[r] != st.m[r]:
             alpha = exp2(st.m[r] - x[r], soft)
             for ch in range(st.o.shape[1]):
                 st.o[r, ch] = st.o[r, ch] * alpha + np.float32(0)  # an underflowed −0 becomes +0
@@ -261,19 +265,19 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
     if hot:
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
-            f[r] = max(st.m[r], c[r] - k.delta) if rows.valid[r] else st.m[r]
-        p1_update(f, rows.valid, st, mode.soft)
+            f[r] = max(st.m[r], c[r] - k.delta) if rows.runs[r] else st.m[r]
+        p1_update(f, rows.runs, st, mode.soft)
         for r in range(ROWS):
-            if rows.valid[r]:
+            if rows.runs[r]:
                 b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.soft)
                 st.la[r] = fma32(tl2[r, 0], b, st.la[r]) if mode.fma else st.la[r] + tl2[r, 0] * b
                 if mode.output:
                     st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
-        p1_update(c, rows.valid, st, mode.soft)
+        p1_update(c, rows.runs, st, mode.soft)
         for r in range(ROWS):
-            if rows.valid[r]:
+            if rows.runs[r]:
                 st.la[r] = st.la[r] + tl2[r, 0]
                 if mode.output:
                     st.lv[r] = st.lv[r] + tl2[r, 1]
@@ -301,12 +305,17 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
 
 
 @njit(cache=True)
-def p1_export(st, valid, vk, Kf, out):
-    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row."""
+def p1_export(st, valid, mode, Kf, out):
+    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row; and under
+    ``direct_store`` with no hot tile, §9.5's o ⊗ (vg ⊘ lc)."""
+    direct = mode.direct and not out.hot_words.any()
     for r in range(ROWS):
         if valid[r]:
+            f = mode.vg / st.lc[r] if direct else np.float32(0)
             for ch in range(st.o.shape[1]):
-                out.part[r, ch] = st.o[r, ch] * vk
+                out.part[r, ch] = st.o[r, ch] * mode.vk
+                if direct:
+                    out.direct[r, ch] = st.o[r, ch] * f
             out.m1[r] = st.m[r]
             out.l1[r] = st.lc[r] * Kf
             out.ad1[r] = st.ad[r] * Kf
@@ -332,8 +341,8 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
         p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
         p1_row_sums(mode.model, phat, pcodes, pscales, ops.nu_t[t if mode.output else 0], mode.output, tl2)
-        hot = p1_hot_test(tl2, rows.valid, st, c, k.eps, mode.soft, mode.output, mode.fma)
+        hot = p1_hot_test(tl2, rows.runs, st, c, k.eps, mode.soft, mode.output, mode.fma)
         p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
         if traced:
             p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)
-    p1_export(st, rows.valid, mode.vk, k.Kf, out)
+    p1_export(st, rows.valid, mode, k.Kf, out)

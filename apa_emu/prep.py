@@ -13,13 +13,17 @@ import numpy as np
 
 from . import formats
 from .config import Config
-from .fpmath import up2
+from .fpmath import fma32_arrays, up2
 from .geometry import TILE, cdiv
+from .kvstate import Stats, overflows
 
 F32 = np.float32
 FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
 NRM_FLOOR, NRM_UP = F32(2.0**-126), F32(1 + 2.0**-10)  # §5.7
 KV_STATS = ("kn", "ek", "k2n", "vn", "ev")  # §5.7: the columns of Prepared.kvstat, in order
+# §5.10, the seed's prep_d: chunks of 16 tiles, at least 16 of them sampled, each summed by 32 key rows
+# whose sums 8 warps reduce in pairs
+CHUNK_KEYS, SAMPLED_CHUNKS, KEY_ROWS, WARP_ROWS = 1024, 16, 32, 4
 
 
 @dataclass
@@ -113,6 +117,51 @@ def prep_stats(k: np.ndarray, v: np.ndarray):
     return kmean, kg, vg
 
 
+def chunk_sum(x: np.ndarray) -> np.ndarray:
+    """§5.10: the binary32 sum of one chunk x [L ≤ 1024, ...] over its keys, in the seed's order: 32 key
+    rows summed sequentially, each warp's 4 rows in pairs, the 8 warps in order from +0. Padding the
+    chunk with +0 keys changes no partial sum (a sum from +0 is never −0)."""
+    rows = np.zeros((cdiv(x.shape[0], KEY_ROWS) * KEY_ROWS, *x.shape[1:]), F32)
+    rows[:x.shape[0]] = x
+    rows = rows.reshape(-1, KEY_ROWS, *x.shape[1:])
+    acc = np.zeros(rows.shape[1:], F32)
+    for step in rows:
+        acc = acc + step
+    warps = (acc[0::WARP_ROWS] + acc[1::WARP_ROWS]) + (acc[2::WARP_ROWS] + acc[3::WARP_ROWS])
+    total = np.zeros(x.shape[1:], F32)
+    for w in warps:
+        total = total + w
+    return total
+
+
+def sampled_stats(k: np.ndarray, v: np.ndarray, stride: int):
+    """§5.10 of one batch entry (k, v [S, Hkv, d] FP16) over the chunks 0, stride, 2·stride, …: kmean
+    (binary32 sums in the seed's order, ⊘ n), kg and vg from the maxima of the sampled keys."""
+    S, Hkv, d = k.shape
+    total, n = np.zeros((Hkv, d), F32), 0
+    amax_k, amax_v = np.zeros(Hkv, F32), np.zeros(Hkv, F32)
+    for s0 in range(0, S, CHUNK_KEYS * stride):
+        kc, vc = k[s0:s0 + CHUNK_KEYS].astype(F32), v[s0:s0 + CHUNK_KEYS].astype(F32)
+        total = total + chunk_sum(kc)
+        n += kc.shape[0]
+        amax_k = np.maximum(amax_k, np.abs(kc).max(axis=(0, 2)))
+        amax_v = np.maximum(amax_v, np.abs(vc).max(axis=(0, 2)))
+    kmean = total / F32(n)
+    return kmean, head_scale(amax_k + np.abs(kmean).max(axis=1)), head_scale(amax_v)
+
+
+def call_stats(k: np.ndarray, v: np.ndarray, v_f16: bool) -> Stats:
+    """§5.10 of a whole call (k, v [B, S, Hkv, d]): the sampled statistics of every (b, hk), taken again
+    over all keys when one of them overflows."""
+    stride = max(1, cdiv(k.shape[1], CHUNK_KEYS) // SAMPLED_CHUNKS)
+    per_b = lambda st: Stats(*(np.stack(x) for x in zip(*(sampled_stats(k[b], v[b], st)  # noqa: E731
+                                                              for b in range(k.shape[0])))))
+    stats = per_b(stride)
+    if stride > 1 and overflows(k, v, 0, stats, np, v_f16):
+        stats = per_b(1)
+    return stats
+
+
 def nrm(a: np.ndarray) -> np.ndarray:
     """§5.7 nrm over the last axis: binary32 squares summed in channel order, then √(ss ⊕ 2⁻¹²⁶) ⊗ (1 + 2⁻¹⁰)."""
     a = np.asarray(a, F32)
@@ -150,11 +199,31 @@ def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32,
                 qeff = qsum if cfg.mma == "sm120" else qhat  # what the score chain multiplies (§5.7)
             if cfg.mma == "sm120":
                 fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
-    sh = np.zeros(q16.shape[:2], F32)
-    for c in range(q16.shape[2]):  # sequential over channels
-        sh = sh + q16[:, :, c] * kmean[:, None, c]
     qstat = np.stack([nrm(qeff), nrm(x - qeff), nrm(q16)], axis=-1)
-    return qhat.astype(F32), qr[..., 0] * kg[:, None], sh * qmul, qstat
+    return qhat.astype(F32), qr[..., 0] * kg[:, None], row_shift(q16, kmean, cfg) * qmul, qstat
+
+
+def row_shift(q16: np.ndarray, kmean: np.ndarray, cfg: Config) -> np.ndarray:
+    """§5.3's q·k̄ per packed row (before ⊗ qmul): sequential over channels, or under ``p2_shift="lanes"``
+    the seed's four lane sums of channel pairs (each pair fused under ``fma``), added in pairs."""
+    km = np.broadcast_to(kmean[:, None], q16.shape)
+    if cfg.p2_shift == "sequential":
+        sh = np.zeros(q16.shape[:2], F32)
+        for c in range(q16.shape[2]):
+            sh = sh + q16[:, :, c] * km[:, :, c]
+        return sh
+    lanes = np.zeros((4, *q16.shape[:2]), F32)
+    for k16 in range(0, q16.shape[2], 16):
+        for h in (0, 8):
+            for t0 in range(4):
+                c = k16 + h + 2 * t0
+                right = q16[:, :, c + 1] * km[:, :, c + 1]
+                if cfg.fma:
+                    pair = fma32_arrays(np.ascontiguousarray(q16[:, :, c]), np.ascontiguousarray(km[:, :, c]), right)
+                else:
+                    pair = q16[:, :, c] * km[:, :, c] + right
+                lanes[t0] = lanes[t0] + pair
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
 
 
 def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_name: str, scales_name: str):

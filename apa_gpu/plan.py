@@ -22,6 +22,8 @@ SCHEDULES = ("separate", "fused", "bounded")
 # The bounded schedule's segment: with the sink tile, the images of the seed's window ring (apa-blog.txt:
 # the sink tile and two slots of 96 tiles), which our launches fill one after the other.
 SEGMENT_TILES = 192
+# The seed's toggles the emulator alone models (numerics.md §12 #5, #7, #9, #11): the kernel runs their defaults.
+EMULATED = ("k_stats", "pad_vote", "p2_shift", "direct_store")
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -31,6 +33,10 @@ def check_config(cfg: Config, d: int) -> None:
         raise NotImplementedError(
             f"apa_gpu: config.mma={cfg.mma!r} is an emulator model; the sm_90 kernel implements mma='sm90' only"
         )
+    seed_only = [f"{name}={getattr(cfg, name)!r}" for name in EMULATED if getattr(cfg, name) != getattr(Config(), name)]
+    if seed_only:
+        raise NotImplementedError(f"apa_gpu: config {', '.join(seed_only)} is an emulator model of the seed "
+                                  f"(numerics.md §12); the sm_90 kernel does not implement it")
     if d not in SUPPORTED_D:
         raise NotImplementedError(
             f"apa_gpu: head dim {d} is not implemented (supported: {', '.join(map(str, SUPPORTED_D))})")

@@ -491,7 +491,7 @@ def test_fma_lifts_the_row_maximum_groups_scale_one_step():
     k = Config().pass1_consts()
     assert k.A == 4
     for fma, code, scale in ((False, 88, 16), (True, 89, 18)):
-        mode = P1Mode(0, True, False, True, np.arange(64), np.float32(1), False, fma)
+        mode = P1Mode(0, True, False, True, np.arange(64), np.float32(1), False, fma, False, np.float32(1))
         kb = p1_pscale(gm, cq, c, k, mode)[0]
         assert (kb, float(ue4m3_value(np.uint8(kb)))) == (code, scale)
 
@@ -515,6 +515,7 @@ def test_seed_preset():
     toggles after the preset applied on top of it; a preset after a toggle, or another name, refused."""
     seed = Config.seed()
     assert (seed.mma, seed.fma, seed.p_groups, seed.v_f16) == ("sm120", True, "interleaved", True)
+    assert (seed.k_stats, seed.pad_vote, seed.p2_shift, seed.direct_store) == ("sampled", True, "lanes", True)
     assert Config.from_overrides(["preset=seed"]) == seed
     assert Config.from_overrides(["preset=seed", "eps=0.02"]) == seed.replace(eps=0.02)
     with pytest.raises(ValueError, match="must come first"):

@@ -28,6 +28,7 @@ CONFIGS = [
     Config(eps=0.05, mma="exact"), Config(eps=0.05, mma="sm120"), Config(eps=0.05, p_scale="pow2", tau=0),
     Config(eps=0.05, p_groups="interleaved", q_terms=1), Config(eps=0.05, quant_p=False, q_format="fp8"),
     Config(eps=0.05, exp2="fast"), Config(eps=0.3, delta=0.0, tile_order="ascending", block_scale="nearest"),
+    Config.seed(eps=0.05), Config.seed(eps=1e9),
 ]
 
 
@@ -78,7 +79,7 @@ def test_certificate_covers_every_pair(cfg):
 
 
 def _mode(soft=True, pow2=False):
-    return P1Mode(0, soft, pow2, True, np.arange(64), F32(1), False, False)
+    return P1Mode(0, soft, pow2, True, np.arange(64), F32(1), False, False, False, F32(1))
 
 
 def test_group_scale_mass_by_hand():

@@ -78,14 +78,25 @@ def test_attribute_none_equals_unquantized_scan(small_dump):
 
 def test_attribute_cli(capsys, small_dump):
     dump, path = small_dump
-    out = run_json(capsys, "attribute", path, "--worst", "4", "--plot", "")
-    scan = run_pairs(dump, Config(), Pairs.select(dump.n, dump.nh))
+    out = run_json(capsys, "attribute", path, "--worst", "4", "--plot", "", "--eps", "1e9")  # pure FP4: no
+    scan = run_pairs(dump, Config(eps=1e9), Pairs.select(dump.n, dump.nh))  # hot tile hides the seed's FP4 steps
     worst = scan.order()[:4]
     assert out["pairs"] == [[int(scan.pairs.rows[i]), int(scan.pairs.heads[i])] for i in worst]
     assert set(out["variants"]) == set(ATTRIBUTE_VARIANTS)
     assert out["variants"]["all (default)"]["cos"] == pytest.approx(scan.cos[worst].tolist(), rel=1e-12)
     for v in out["variants"].values():
         assert v["mean_cos"] == pytest.approx(np.mean(v["cos"])) and v["min_cos"] == min(v["cos"])
+    # the seed column: each variant on the seed's arithmetic, over the same pairs; a variant that turns a
+    # quantization off cannot run on the seed's FP4 MMA and says so
+    assert set(out["seed"]) == set(ATTRIBUTE_VARIANTS)
+    seed = run_pairs(dump, Config.seed(eps=1e9), scan.pairs.take(worst))
+    assert out["seed"]["all (default)"]["cos"] == pytest.approx(seed.cos.tolist(), rel=1e-12)
+    assert out["seed"]["all (default)"]["cos"] != out["variants"]["all (default)"]["cos"]
+    assert set(out["seed_on_sm90"]) == {n for n, c in ATTRIBUTE_VARIANTS.items() if not all(
+        c.get(q, True) for q in ("quant_q", "quant_k", "quant_p", "quant_v"))}
+    on_sm90 = run_pairs(dump, Config.seed(eps=1e9, mma="sm90", quant_k=False, quant_p=False, quant_v=False),
+                        scan.pairs.take(worst))
+    assert out["seed"]["Q only (2 terms)"]["cos"] == pytest.approx(on_sm90.cos.tolist(), rel=1e-12)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -97,7 +97,8 @@ def test_attribute_matches_the_cpu_engine(which, builtin, big):
     dump = builtin if which == "builtin" else big
     jobs = [scan.Job.of(dump, edge_pairs(dump))]
     gpu, cpu = _engines()
-    g, c = (scan.attribute_jobs(jobs, Config(), e, cpu_worst=3, workers=WORKERS).tables[0] for e in (gpu, cpu))
+    g, c = (scan.attribute_jobs(jobs, Config(), e, cpu_worst=3, workers=WORKERS, seed=False).tables[0]
+            for e in (gpu, cpu))  # the seed column runs on the CPU emulator under either engine
     assert list(g.variants) == list(c.variants) == list(scan.ATTRIBUTE_VARIANTS)
     lacks = {"all, exact MMA", "all, sm120 MMA"}
     assert {n for n, s in g.variants.items() if s.engine == "cpu"} == lacks

@@ -278,25 +278,39 @@ def cmd_pair(args):
 
 
 _STATS = ["pairs", "mean_cos", "min_cos", "below_0_999", "nonfinite"]
+_SEED_STATS = ["engine", "mean_cos", "min_cos"]  # the seed column of apa attribute (its JSON has them all)
 
 
 def cmd_attribute(args):
     jobs, cfg, engine, att = _study(args, lambda jobs, cfg, engine, prog: attribute_jobs(
         jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets, workers=args.workers,
-        progress=prog))
+        progress=prog, seed=args.seed))
     many = len(jobs) > 1
+
+    def seed_cells(name, s):
+        if not args.seed:
+            return []
+        if s is None:
+            return ["-"] * len(_SEED_STATS)
+        return [s.engine + " (sm90)" * (name in att.seed_on_sm90), *(getattr(s, c) for c in _SEED_STATS[1:])]
+
     rows = []
     for name, pooled in att.pooled.items():
         for job, t in zip(jobs, att.tables):
             s = t.variants[name]
-            rows.append([name, *[job.name] * many, s.engine, *(getattr(s, c) for c in _STATS)])
+            rows.append([name, *[job.name] * many, s.engine, *(getattr(s, c) for c in _STATS),
+                         *seed_cells(name, t.seed.get(name))])
         if many:
-            rows.append([name, "pooled", pooled.engine, *(getattr(pooled, c) for c in _STATS)])
+            rows.append([name, "pooled", pooled.engine, *(getattr(pooled, c) for c in _STATS),
+                         *seed_cells(name, att.pooled_seed.get(name))])
     scope = "every pair" if args.worst is None else f"the {args.worst} lowest-cosine pairs{' of each dump' * many}"
     slow = any(s.engine != engine.name for s in att.pooled.values())
     note = "; the variants the kernel lacks on the CPU emulator, over the lowest-cosine pairs" if slow else ""
-    tables = [table(f"{_named(jobs, 'apa attribute')} ({engine.name}): cosines of {scope} under each variant{note}",
-                    ["variant", *["dump"] * many, "engine", *_STATS], rows)]
+    seed_note = ("; seed: the variant on the seed's arithmetic (--config preset=seed; (sm90): on the sm90 MMA model, "
+                 "the seed's FP4 MMA needs every operand quantized)") if args.seed else ""
+    tables = [table(f"{_named(jobs, 'apa attribute')} ({engine.name}): cosines of {scope} under each variant{note}"
+                    f"{seed_note}", ["variant", *["dump"] * many, "engine", *_STATS,
+                                     *([f"seed {c}" for c in _SEED_STATS] if args.seed else [])], rows)]
     for job, t in zip(jobs, att.tables):
         b = t.breakdown
         tables += [table(f"{job.name}, {cfg_name(cfg)}: by query head", ["head", *_STATS],
@@ -305,10 +319,11 @@ def cmd_attribute(args):
                          [[lab, *(st[c] for c in _STATS)] for lab, st in b.buckets])]
     png = plot_heatmap({j.name: t.breakdown for j, t in zip(jobs, att.tables)}, args.plot,
                        _what(jobs)) if args.plot else None
-    fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png)
+    fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png, seed_on_sm90=att.seed_on_sm90)
     if many:
         payload = _payload(jobs, cfg, engine, **fields, per_dump=_per_dump(jobs, (t.to_json() for t in att.tables)),
-                           pooled={name: dataclasses.asdict(s) for name, s in att.pooled.items()})
+                           pooled={name: dataclasses.asdict(s) for name, s in att.pooled.items()},
+                           pooled_seed={name: dataclasses.asdict(s) for name, s in att.pooled_seed.items()})
     else:
         payload = _payload(jobs, cfg, engine, **fields, **att.tables[0].to_json())
     emit(args.json, payload, tables)
@@ -496,7 +511,8 @@ def _config_epilog() -> str:
         else:
             accepted = " | ".join(CHOICES[f.name]) if f.name in CHOICES else _ACCEPTS[f.name]
         lines.append(f"  {f.name:<12} {accepted:<40} default {'none' if default is None else default}")
-    return "--config keys (docs/numerics.md §2–§9 says what each one does):\n" + "\n".join(lines)
+    return ("--config keys (docs/numerics.md §1–§9 says what each one does; a first preset=seed starts from the "
+            "seed's arithmetic, §12):\n" + "\n".join(lines))
 
 
 # What --config accepts for the keys that are neither on/off nor a fixed set of words.
@@ -620,11 +636,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: every pair)")
     p.add_argument("--cpu-worst", type=_at_least(0), default=CPU_WORST, metavar="N",
                    help="how many of those pairs, lowest cosine first, the variants the GPU kernel lacks "
-                        "(mma=exact, mma=sm120) rerun on the CPU emulator; 0 leaves them out")
+                        "(mma=exact, mma=sm120, the seed column) rerun on the CPU emulator; 0 leaves them out")
     p.add_argument("--buckets", type=_count, default=8, metavar="N",
                    help="query-position buckets of the breakdown and the heatmap")
     p.add_argument("--plot", default="apa_attribute.png",
                    help="PNG heatmap of min cosine by (head, position bucket) ('' for none)")
+    p.add_argument("--seed", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run each variant on the seed's arithmetic (Config.seed(), docs/numerics.md §12), "
+                        "a column beside ours; the kernel lacks it, so with the GPU it runs on the CPU emulator "
+                        "over --cpu-worst pairs")
     eps(p)
     p = study("headroom", "how close pass 2's FP16 scores and output come to overflow (65504)", cmd_headroom,
               _HEADROOM_NOTES)

@@ -9,7 +9,7 @@ from functools import cached_property
 import numpy as np
 
 from ..api import Result
-from ..config import Config
+from ..config import SEED_TOGGLES, Config
 from ..geometry import ROWS, TILE, Shape, warp_of
 from ..metrics import Summary, cosine_histogram
 from .dump import Dump
@@ -434,16 +434,19 @@ def breakdown(scan: Scan, dump, buckets: int) -> Breakdown:
 @dataclass(frozen=True)
 class AttributeTable:
     """One dump's attribution: the pairs, worst first under the command's config, each variant's
-    cosines on them (the variants the engine lacks on the first ``cpu_worst`` only) and the breakdown
-    of the command's config over every selected pair."""
+    cosines on them (the variants the engine lacks on the first ``cpu_worst`` only), the same variants
+    applied to the seed's arithmetic (``seed``; empty when not asked) and the breakdown of the command's
+    config over every selected pair."""
 
     pairs: Pairs
     variants: dict[str, VariantScore]
     breakdown: Breakdown
+    seed: dict[str, VariantScore]
 
     def to_json(self) -> dict:
         return dict(pairs=list(zip(self.pairs.rows.tolist(), self.pairs.heads.tolist())),
                     variants={name: asdict(s) for name, s in self.variants.items()},
+                    seed={name: asdict(s) for name, s in self.seed.items()},
                     breakdown=self.breakdown.to_json())
 
 
@@ -578,28 +581,51 @@ class Attribution:
 
     tables: list[AttributeTable]
     pooled: dict[str, VariantScore]
+    pooled_seed: dict[str, VariantScore]
+    seed_on_sm90: list[str]  # the variants whose seed column runs on the `sm90` model (see attribute_jobs)
 
 
-def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int | None = None,
-                   cpu_worst: int = CPU_WORST, variants=None, buckets: int = 8, workers: int = 1,
-                   progress=None) -> Attribution:
-    """Each variant of ``variants`` (default ATTRIBUTE_VARIANTS, applied to ``cfg``) on every selected
-    pair of each job, or on its ``worst`` lowest-cosine pairs under ``cfg``. The variants ``engine``
-    lacks (the emulator's MMA models, for the kernel) run on the CPU over the first ``cpu_worst`` of
-    those pairs (0: not at all)."""
-    for count in (worst, cpu_worst or None):
-        if count is not None:
-            _check_count(count)
-    changes = variants or ATTRIBUTE_VARIANTS
-    configs = {}
+def _variant_configs(cfg: Config, changes: dict, seed: bool) -> tuple[dict, list[str]]:
+    """The config of each variant, keyed by its name, and under ``seed`` by ("seed", name) the variant on
+    the seed's arithmetic (cfg with SEED_TOGGLES). The seed's FP4 MMA needs every operand quantized, so a
+    variant that turns one off runs its seed twin on the `sm90` model: those names come second."""
+    configs, on_sm90 = {}, []
     for name, change in changes.items():
         try:
             configs[name] = cfg.replace(**change)
         except ValueError:  # no such config: mma=sm120 under --config quant_p=off, say
             continue
-    own = {name: c for name, c in configs.items() if not any(engine.lacks(c, j.dump.hd) for j in jobs)}
-    emulated = {name: c for name, c in configs.items() if name not in own and cpu_worst}
-    own_cfgs = list(own.values())
+        if seed:
+            try:
+                configs["seed", name] = cfg.replace(**{**SEED_TOGGLES, **change})
+            except ValueError:
+                configs["seed", name] = cfg.replace(**{**SEED_TOGGLES, **change, "mma": "sm90"})
+                on_sm90.append(name)
+    return configs, on_sm90
+
+
+def _pooled(tables: list[AttributeTable], column: str) -> dict[str, VariantScore]:
+    scores = [getattr(t, column) for t in tables]
+    return {name: VariantScore.of(s.engine, np.concatenate([np.asarray(sc[name].cos) for sc in scores]))
+            for name, s in scores[0].items()}
+
+
+def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int | None = None,
+                   cpu_worst: int = CPU_WORST, variants=None, buckets: int = 8, workers: int = 1,
+                   progress=None, seed: bool = True) -> Attribution:
+    """Each variant of ``variants`` (default ATTRIBUTE_VARIANTS, applied to ``cfg``) on every selected
+    pair of each job, or on its ``worst`` lowest-cosine pairs under ``cfg``; under ``seed`` each variant
+    also on the seed's arithmetic (numerics.md §12). The variants ``engine`` lacks (the emulator's MMA
+    models and the seed's toggles, for the kernel) run on the CPU over the first ``cpu_worst`` of those
+    pairs (0: not at all). Equal configs run once."""
+    for count in (worst, cpu_worst or None):
+        if count is not None:
+            _check_count(count)
+    changes = variants or ATTRIBUTE_VARIANTS
+    configs, on_sm90 = _variant_configs(cfg, changes, seed)
+    own = {key: c for key, c in configs.items() if not any(engine.lacks(c, j.dump.hd) for j in jobs)}
+    emulated = {key: c for key, c in configs.items() if key not in own and cpu_worst}
+    own_cfgs = list(dict.fromkeys(own.values()))
     if worst is None and cfg in own_cfgs:  # every pair: the command's own config is one of the variants
         runs = evaluate(jobs, own_cfgs, engine, progress=progress)
         bases = [r[own_cfgs.index(cfg)] for r in runs]
@@ -611,28 +637,31 @@ def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int |
         sub = [Job(j.dump, b.pairs.take(o), j.name) for j, b, o in zip(jobs, bases, orders)]
         cos = [[s.cos for s in r] for r in evaluate(sub, own_cfgs, engine, progress=progress)]
     chosen = [b.pairs.take(o) for b, o in zip(bases, orders)]
-    scores = [{name: VariantScore.of(engine.name, c) for name, c in zip(own, per_job)} for per_job in cos]
+    scores = [{key: VariantScore.of(engine.name, per_job[own_cfgs.index(c)]) for key, c in own.items()}
+              for per_job in cos]
     if emulated:
         cpu = CpuEngine(workers)
         few = [Job(j.dump, p.take(slice(0, cpu_worst)), j.name) for j, p in zip(jobs, chosen)]
-        for table, runs in zip(scores, evaluate(few, list(emulated.values()), cpu, progress=progress)):
-            table.update({name: VariantScore.of(cpu.name, s.cos) for name, s in zip(emulated, runs)})
+        cpu_cfgs = list(dict.fromkeys(emulated.values()))
+        for table, runs in zip(scores, evaluate(few, cpu_cfgs, cpu, progress=progress)):
+            table.update({key: VariantScore.of(cpu.name, runs[cpu_cfgs.index(c)].cos) for key, c in emulated.items()})
     order = [name for name in changes if name in own or name in emulated]
-    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets))
+    seeded = [name for name in changes if ("seed", name) in own or ("seed", name) in emulated]
+    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets),
+                             {name: sc["seed", name] for name in seeded})
               for j, p, b, sc in zip(jobs, chosen, bases, scores)]
-    pooled = {name: VariantScore.of(tables[0].variants[name].engine,
-                                    np.concatenate([np.asarray(t.variants[name].cos) for t in tables]))
-              for name in order}
-    return Attribution(tables, pooled)
+    return Attribution(tables, _pooled(tables, "variants"), _pooled(tables, "seed"),
+                       [name for name in on_sm90 if name in seeded])
 
 
 def attribute(dump, cfg: Config, n: int | None = None, *, backend="auto", workers=1, progress=None,
-              variants=None, cpu_worst: int = CPU_WORST, buckets: int = 8) -> AttributeTable:
+              variants=None, cpu_worst: int = CPU_WORST, buckets: int = 8, seed: bool = True) -> AttributeTable:
     """Cosines of every pair (or the ``n`` worst under ``cfg``) when only the named operands are
-    quantized or one toggle changes."""
+    quantized or one toggle changes, on our arithmetic and (``seed``) on the seed's."""
     jobs = [Job.of(dump)]
     return attribute_jobs(jobs, cfg, _engine(jobs, [cfg], backend, workers), worst=n, cpu_worst=cpu_worst,
-                          variants=variants, buckets=buckets, workers=workers, progress=progress).tables[0]
+                          variants=variants, buckets=buckets, workers=workers, progress=progress,
+                          seed=seed).tables[0]
 
 
 def sweep_jobs(jobs: list[Job], cfg: Config, eps_list, engine: Engine, *,
