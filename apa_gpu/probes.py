@@ -16,9 +16,15 @@ EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode
 CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
 QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("codes", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
 TABLES = Struct("ProbeTablesParams", [("lg2", PTR), ("dec", PTR)])
+PSCALE = Struct("ProbePscaleParams", [("gm", PTR), ("cq", PTR), ("c", PTR), ("scale", PTR), ("bias", PTR),
+                                      ("mass", PTR), ("count", I64), ("A", F32), ("L", F32), ("pow2", I32),
+                                      ("fma", I32)])
+MERGE = Struct("ProbeMergeParams", [("m1", PTR), ("l1", PTR), ("part", PTR), ("m2", PTR), ("l2", PTR), ("o2", PTR),
+                                    ("out", PTR), ("count", I64), ("fma", I32)])
 # cuda/probe.cu's entry points and the struct each takes.
 KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_exp2": EXP2,
-           "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES}
+           "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES,
+           "apa_probe_pscale": PSCALE, "apa_probe_merge": MERGE}
 
 
 def _run(name: str, blocks: int, threads: int, params: dict) -> None:
@@ -80,3 +86,25 @@ def run_probe_tables():
     lg2, dec = xp.empty(9, np.float32), xp.empty(127, np.float32)
     _run("apa_probe_tables", 1, 128, dict(lg2=lg2, dec=dec))
     return xp.asnumpy(lg2), xp.asnumpy(dec)
+
+
+def run_probe_pscale(gm, cq, c, A, L, pow2: bool, fma: bool):
+    """§7.4 of each (gm, c_q, c): (dec(kb), bias, a_g) as pass 1's p1_pscale computes them."""
+    xp = device.backend().xp
+    gd, qd, cd = (_f32(np.ravel(x)) for x in (gm, cq, c))
+    n = gd.size
+    scale, bias, mass = (xp.empty(n, np.float32) for _ in range(3))
+    _run("apa_probe_pscale", -(-n // 128), 128, dict(gm=gd, cq=qd, c=cd, scale=scale, bias=bias, mass=mass, count=n,
+                                                     A=A, L=L, pow2=pow2, fma=fma))
+    return tuple(xp.asnumpy(x) for x in (scale, bias, mass))
+
+
+def run_probe_merge(m1, l1, part, m2, l2, o2, fma: bool):
+    """§9.1–9.4 of rows m1, l1, m2, l2 [R] with part, o2 [R, 2]: the FP16 output [R, 2]."""
+    xp = device.backend().xp
+    rows = [_f32(x) for x in (m1, l1, part, m2, l2, o2)]
+    n = rows[0].size
+    out = xp.empty(n, np.uint32)
+    _run("apa_probe_merge", -(-n // 128), 128, dict(zip(("m1", "l1", "part", "m2", "l2", "o2"), rows), out=out,
+                                                    count=n, fma=fma))
+    return xp.asnumpy(out).view(np.float16).reshape(n, 2)

@@ -1,11 +1,15 @@
 // probe.cu: single-instruction and single-primitive kernels for the GPU tests
 // (tests/test_gpu_mma.py, tests/test_gpu_formats.py): the m16n8k16 MMAs of the sm90 model
 // (numerics.md §3.1; research/mma_models.md §8) and the arithmetic primitives of fpmath.cuh and
-// formats.cuh, so that each can be compared bitwise with the emulator in isolation.
+// formats.cuh, so that each can be compared bitwise with the emulator in isolation; and two of the
+// seed's FMA sites (§1.8) on chosen operands: §7.4's P scale and §9.3–9.4's merge.
+#define APA_D 64  // pass1.cuh needs a head dim; the P scale of §7.4 does not depend on it
 #include "fpmath.cuh"
 #include "formats.cuh"
+#include "merge.cuh"
 #include "mma.cuh"
 #include "params.cuh"
+#include "pass1.cuh"
 
 using namespace apa;
 
@@ -47,6 +51,32 @@ struct ProbeQuant16Params {
 struct ProbeTablesParams {
     float* lg2;
     float* dec;
+};
+
+// §7.4 of (gm, c_q, c) triples: dec(kb), bias and a_g of each (pass1.cuh p1_pscale).
+struct ProbePscaleParams {
+    const float* gm;
+    const float* cq;
+    const float* c;
+    float* scale;
+    float* bias;
+    float* mass;
+    long long count;
+    float A, L;
+    int pow2, fma;
+};
+
+// §9.1–9.4 of rows of two channels: (m1, l1, part[2]) and (m2, l2, o2[2]) to an f16x2 output.
+struct ProbeMergeParams {
+    const float* m1;
+    const float* l1;
+    const float* part;
+    const float* m2;
+    const float* l2;
+    const float* o2;
+    uint32_t* out;
+    long long count;
+    int fma;
 };
 
 __device__ __forceinline__ void probe_frags(const uint16_t* A, const uint16_t* B, uint32_t (&a)[4], uint32_t& b0,
@@ -133,6 +163,26 @@ extern "C" __global__ void apa_probe_tables(const __grid_constant__ ProbeTablesP
     if (i < 0x7F) p.dec[i] = ue4m3_dec((uint32_t)i);
 }
 
+// Every lane reaches p1_pscale, whose LG2 lookup is a shuffle across the warp.
+extern "C" __global__ void apa_probe_pscale(const __grid_constant__ ProbePscaleParams p) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool in = i < p.count;
+    Pass1Args a{};
+    a.A = p.A, a.L = p.L, a.pow2 = p.pow2, a.fma = p.fma;
+    const int lane = threadIdx.x & 31;
+    float scale, mass;
+    const float bias = p1_pscale(in ? p.gm[i] : 0.0f, in ? p.cq[i] : 1.0f, in ? p.c[i] : 0.0f, a,
+                                 lg2_table(lane < 9 ? lane : 0), scale, mass);
+    if (in) p.scale[i] = scale, p.bias[i] = bias, p.mass[i] = mass;
+}
+
+extern "C" __global__ void apa_probe_merge(const __grid_constant__ ProbeMergeParams p) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= p.count) return;
+    const MergeWeights mw = merge_weights(p.m1[i], p.l1[i], p.m2[i], p.l2[i], p.fma != 0);
+    p.out[i] = merge_out2(mw, make_float2(p.part[2 * i], p.part[2 * i + 1]), p.o2[2 * i], p.o2[2 * i + 1], p.fma != 0);
+}
+
 APA_PARAMS_LAYOUT(ProbeMmaF32Params, APA_FIELD(ProbeMmaF32Params, A), APA_FIELD(ProbeMmaF32Params, B),
                   APA_FIELD(ProbeMmaF32Params, C), APA_FIELD(ProbeMmaF32Params, D),
                   APA_FIELD(ProbeMmaF32Params, ntiles));
@@ -147,3 +197,12 @@ APA_PARAMS_LAYOUT(ProbeQuant16Params, APA_FIELD(ProbeQuant16Params, x), APA_FIEL
                   APA_FIELD(ProbeQuant16Params, sb), APA_FIELD(ProbeQuant16Params, nblocks),
                   APA_FIELD(ProbeQuant16Params, lsq));
 APA_PARAMS_LAYOUT(ProbeTablesParams, APA_FIELD(ProbeTablesParams, lg2), APA_FIELD(ProbeTablesParams, dec));
+APA_PARAMS_LAYOUT(ProbePscaleParams, APA_FIELD(ProbePscaleParams, gm), APA_FIELD(ProbePscaleParams, cq),
+                  APA_FIELD(ProbePscaleParams, c), APA_FIELD(ProbePscaleParams, scale),
+                  APA_FIELD(ProbePscaleParams, bias), APA_FIELD(ProbePscaleParams, mass),
+                  APA_FIELD(ProbePscaleParams, count), APA_FIELD(ProbePscaleParams, A), APA_FIELD(ProbePscaleParams, L),
+                  APA_FIELD(ProbePscaleParams, pow2), APA_FIELD(ProbePscaleParams, fma));
+APA_PARAMS_LAYOUT(ProbeMergeParams, APA_FIELD(ProbeMergeParams, m1), APA_FIELD(ProbeMergeParams, l1),
+                  APA_FIELD(ProbeMergeParams, part), APA_FIELD(ProbeMergeParams, m2), APA_FIELD(ProbeMergeParams, l2),
+                  APA_FIELD(ProbeMergeParams, o2), APA_FIELD(ProbeMergeParams, out), APA_FIELD(ProbeMergeParams, count),
+                  APA_FIELD(ProbeMergeParams, fma));

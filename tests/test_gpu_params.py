@@ -70,7 +70,7 @@ APA_KERNELS = {"apa_prep_stats": PREP, "apa_prep_finalize": PREP, "apa_prep_q": 
                "apa_fused": FUSED}
 PROBE_KERNELS = {"apa_probe_mma_f32": probes.MMA_F32, "apa_probe_mma_f16": probes.MMA_F16,
                  "apa_probe_exp2": probes.EXP2, "apa_probe_codes": probes.CODES, "apa_probe_quant16": probes.QUANT16,
-                 "apa_probe_tables": probes.TABLES}
+                 "apa_probe_tables": probes.TABLES, "apa_probe_pscale": probes.PSCALE, "apa_probe_merge": probes.MERGE}
 
 
 @pytest.mark.gpu

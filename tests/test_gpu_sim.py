@@ -198,6 +198,15 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
     assert len(bounded) == 8 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
 
 
+def test_fma_site_probes_on_simulator(tmp_path):
+    """tests/test_gpu_fma_sites.py (marked gpu) on the simulator: the probes of §7.4's and §9.3–9.4's FMA
+    sites, which whole problems seldom expose, run in CI too."""
+    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_fma_sites.py"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and re.search(r"^2 passed", r.stdout, re.M), r.stdout + r.stderr
+
+
 @pytest.fixture(scope="module")
 def small_dump(tmp_path_factory):
     from apa_emu.study.dump import write_dump

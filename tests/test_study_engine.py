@@ -349,7 +349,7 @@ def test_gpu_engine_code_gives_the_cpu_engines_results(numpy_gpu, dumps):
 
 def test_units_split_over_devices_give_the_same_results(numpy_gpu, monkeypatch, dumps):
     class SerialPool:  # the spawned processes, in this process (NumPy is no CUDA device)
-        def __init__(self, n, initializer):
+        def __init__(self, n, initializer, initargs=()):
             self.n = n
 
         def __enter__(self):
@@ -361,7 +361,7 @@ def test_units_split_over_devices_give_the_same_results(numpy_gpu, monkeypatch, 
         def imap_unordered(self, func, tasks):
             return map(func, tasks)
 
-    monkeypatch.setattr(engine.mp, "get_context", lambda method: types.SimpleNamespace(Pool=SerialPool))
+    monkeypatch.setattr(apa_emu.api.mp, "get_context", lambda method: types.SimpleNamespace(Pool=SerialPool))
     jobs = [scan.Job.of(read_dump(p)) for p in dumps["paths"]]  # from files: each process opens them again
     one = scan.scan_jobs(jobs, Config(), engine.GpuEngine())
     numpy_gpu.used_devices.clear()
