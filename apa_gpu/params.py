@@ -92,7 +92,7 @@ PREP = Struct("PrepParams", [
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
     ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32), ("v_f16", I32), ("span", TILE_SPAN),
+    ("interleaved", I32), ("v_f16", I32), ("p2_lanes", I32), ("fma", I32), ("span", TILE_SPAN),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.

@@ -22,8 +22,8 @@ SCHEDULES = ("separate", "fused", "bounded")
 # The bounded schedule's segment: with the sink tile, the images of the seed's window ring (apa-blog.txt:
 # the sink tile and two slots of 96 tiles), which our launches fill one after the other.
 SEGMENT_TILES = 192
-# The seed's toggles the emulator alone models (numerics.md §12 #5, #7, #9, #11): the kernel runs their defaults.
-EMULATED = ("k_stats", "pad_vote", "p2_shift", "direct_store")
+# The seed's toggles the emulator alone models (numerics.md §12 #5, #7, #11): the kernel runs their defaults.
+EMULATED = ("k_stats", "pad_vote", "direct_store")
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -195,7 +195,8 @@ class Plan:
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
             khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
             quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, span=self._span(0, 0))
+            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, p2_lanes=cfg.p2_shift == "lanes", fma=cfg.fma,
+            span=self._span(0, 0))
         p = self._prep_params
         self.ksum.fill(0)
         self.amax.fill(0)

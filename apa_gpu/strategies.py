@@ -122,6 +122,7 @@ def configs(draw):
         hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
         v_f16=draw(st.booleans()),
         fma=draw(st.booleans()),
+        p2_shift=draw(st.sampled_from(["sequential", "sequential", "lanes"])),
     )
 
 

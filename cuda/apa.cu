@@ -46,6 +46,8 @@ struct PrepParams {
     int lsq;
     int interleaved;
     int v_f16;                  // §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
+    int p2_lanes;               // §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift)
+    int fma;                    // §1.8: those lanes' channel pairs fused
     TileSpan span;              // the tiles prep_k, _v, _cert form, and where (a KV state's are held, §5.9)
 };
 
@@ -97,7 +99,8 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_consta
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
-    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz, blockIdx.z), p.qmul, p.q_mode, p.q_terms, p.lsq != 0);
+    prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz, blockIdx.z), p.qmul, p.q_mode, p.q_terms, p.lsq != 0,
+           p.p2_lanes != 0, p.fma != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
@@ -211,8 +214,8 @@ APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q
                   APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
-                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16),
-                  APA_FIELD(PrepParams, span));
+                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16), APA_FIELD(PrepParams, p2_lanes),
+                  APA_FIELD(PrepParams, fma), APA_FIELD(PrepParams, span));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
                   APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
                   APA_FIELD(Pass1Args, part),

@@ -239,7 +239,8 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
 __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ qhat,
                                        float* __restrict__ cq, float* __restrict__ sh, float* __restrict__ qstat,
-                                       const Geom& g, float qmul, int q_mode, int q_terms, bool lsq) {
+                                       const Geom& g, float qmul, int q_mode, int q_terms, bool lsq, bool lanes,
+                                       bool fused) {
     constexpr int NB = D / 16;
     const auto [b, hk, bh, idx] = prep_thread(g);
     // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
@@ -320,8 +321,23 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     if (cb == 0) {
         float s = 0.0f;
         if (valid) {
-            // Row shift: sequential over channels, then times qmul (§5.3, §12 #9).
-            for (int c = 0; c < D; ++c) s = fadd(s, fmul(f32h(h_from_bits(qrow[c])), kmean[bh * D + c]));
+            // Row shift, then times qmul (§5.3, §12 #9): sequential over channels, or the seed's per-lane
+            // sums of channel pairs c, c + 1 (c = 16k + 8h + 2·t0, lane t0) added in pairs.
+            const float* km = kmean + bh * D;
+            auto qc = [&](int c) { return f32h(h_from_bits(qrow[c])); };
+            if (lanes) {
+                float ls[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int k16 = 0; k16 < D; k16 += 16)
+                    for (int h8 = 0; h8 < 16; h8 += 8)
+#pragma unroll
+                        for (int t0 = 0; t0 < 4; ++t0) {
+                            const int c = k16 + h8 + 2 * t0;
+                            ls[t0] = fadd(ls[t0], madd(qc(c), km[c], fmul(qc(c + 1), km[c + 1]), fused));
+                        }
+                s = fadd(fadd(ls[0], ls[1]), fadd(ls[2], ls[3]));
+            } else {
+                for (int c = 0; c < D; ++c) s = fadd(s, fmul(qc(c), km[c]));
+            }
             s = fmul(s, qmul);
         }
         cq[bh * g.Rp_buf + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;

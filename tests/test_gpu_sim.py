@@ -178,6 +178,9 @@ SCRIPT = textwrap.dedent(
     # Cold sink visits whose row-maximum group gets the lifted scale 18 fused (16 unfused; §7.4,
     # tests/test_algorithm.py), so an unfused §7.4 site shows (mutant K16).
     run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3, fma=True), sink=True, schedule="bounded", segment=3)
+    # The seed's per-lane pass-2 row shift (§5.3 p2_shift), its channel pairs fused and not.
+    run(73, 16, 3, 1, 130, 64, 114, Config(eps=0.02, p2_shift="lanes", fma=True), sink=True)
+    run(74, 24, 2, 1, 260, 128, 236, Config(eps=0.05, p2_shift="lanes"), sink=True, schedule="fused")
     """
 )
 
@@ -188,7 +191,7 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 36, r.stdout
+    assert len(lines) == 38, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"

@@ -146,6 +146,12 @@ MUTANTS = [
     Mutant("K17", "kernel fma: the merge numerator unfused", "cuda/merge.cuh",
            "fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), fused), mw.inv)",
            "fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), false), mw.inv)", FMA_PROBES),
+    Mutant("K18", "kernel p2_shift lanes: the four lane sums added in a chain, not in pairs", "cuda/prep.cuh",
+           "s = fadd(fadd(ls[0], ls[1]), fadd(ls[2], ls[3]));", "s = fadd(fadd(fadd(ls[0], ls[1]), ls[2]), ls[3]);",
+           SIM),
+    Mutant("M32", "p2_shift lanes: the lane sums added in a chain", "apa_emu/prep.py",
+           "return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])", "return ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]",
+           ("tests/test_seed_preset.py",)),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
 ]
