@@ -92,7 +92,7 @@ PREP = Struct("PrepParams", [
     ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
     ("nu", PTR),
     ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32), ("v_f16", I32), ("p2_lanes", I32), ("fma", I32), ("span", TILE_SPAN),
+    ("interleaved", I32), ("v_f16", I32), ("p2_lanes", I32), ("pad_vote", I32), ("fma", I32), ("span", TILE_SPAN),
 ])
 
 # cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.
@@ -101,6 +101,7 @@ PASS1_ARGS = Struct("Pass1Args", [
     ("ml", PTR), ("carry", PTR), ("span", TILE_SPAN), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
     ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
     ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32), ("output", I32), ("fma", I32),
+    ("pad_vote", I32),
 ])
 
 # cuda/merge.cuh CertConsts: apa_emu.constants.CertConsts, by the same names (§9.7).

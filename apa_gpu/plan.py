@@ -22,8 +22,8 @@ SCHEDULES = ("separate", "fused", "bounded")
 # The bounded schedule's segment: with the sink tile, the images of the seed's window ring (apa-blog.txt:
 # the sink tile and two slots of 96 tiles), which our launches fill one after the other.
 SEGMENT_TILES = 192
-# The seed's toggles the emulator alone models (numerics.md §12 #5, #7, #11): the kernel runs their defaults.
-EMULATED = ("k_stats", "pad_vote", "direct_store")
+# The seed's toggles the emulator alone models (numerics.md §12 #5, #11): the kernel runs their defaults.
+EMULATED = ("k_stats", "direct_store")
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -195,8 +195,8 @@ class Plan:
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
             khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
             quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, p2_lanes=cfg.p2_shift == "lanes", fma=cfg.fma,
-            span=self._span(0, 0))
+            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, p2_lanes=cfg.p2_shift == "lanes", pad_vote=cfg.pad_vote,
+            fma=cfg.fma, span=self._span(0, 0))
         p = self._prep_params
         self.ksum.fill(0)
         self.amax.fill(0)
@@ -262,7 +262,7 @@ class Plan:
                      trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
-                     output=self.output, fma=cfg.fma)
+                     output=self.output, fma=cfg.fma, pad_vote=cfg.pad_vote)
         p = self._prep_params
         pass2 = dict(q=q, k=p["k"], v=p["v"], pages=p["pages"], kv_maps=self.kv_maps, sh=self.sh, part=self.part,
                      ml=self.ml, hot=self.hot, out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat,

@@ -123,6 +123,7 @@ def configs(draw):
         v_f16=draw(st.booleans()),
         fma=draw(st.booleans()),
         p2_shift=draw(st.sampled_from(["sequential", "sequential", "lanes"])),
+        pad_vote=draw(st.booleans()),
     )
 
 

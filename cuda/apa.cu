@@ -47,6 +47,7 @@ struct PrepParams {
     int interleaved;
     int v_f16;                  // §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
     int p2_lanes;               // §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift)
+    int pad_vote;               // §6.2: padding rows get row R − 1's Q̂ and c_q, to vote with
     int fma;                    // §1.8: those lanes' channel pairs fused
     TileSpan span;              // the tiles prep_k, _v, _cert form, and where (a KV state's are held, §5.9)
 };
@@ -100,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_consta
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
     prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz, blockIdx.z), p.qmul, p.q_mode, p.q_terms, p.lsq != 0,
-           p.p2_lanes != 0, p.fma != 0);
+           p.p2_lanes != 0, p.fma != 0, p.pad_vote != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
@@ -215,7 +216,7 @@ APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q
                   APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
                   APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
                   APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16), APA_FIELD(PrepParams, p2_lanes),
-                  APA_FIELD(PrepParams, fma), APA_FIELD(PrepParams, span));
+                  APA_FIELD(PrepParams, pad_vote), APA_FIELD(PrepParams, fma), APA_FIELD(PrepParams, span));
 APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
                   APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
                   APA_FIELD(Pass1Args, part),
@@ -225,7 +226,7 @@ APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq
                   APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
                   APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
                   APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p), APA_FIELD(Pass1Args, output),
-                  APA_FIELD(Pass1Args, fma));
+                  APA_FIELD(Pass1Args, fma), APA_FIELD(Pass1Args, pad_vote));
 APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
                   APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),

@@ -148,6 +148,7 @@ struct WarpRows {
     bool warp_active;
     int r_lo, r_hi;
     bool v_lo, v_hi;
+    bool run_lo, run_hi;  // rows that vote in pass 1: the real ones, every row under pad_vote (§6.2)
     int lim_lo, lim_hi;
     int lo_lo, lo_hi;  // first visible keys (§6.1)
     int Fw, Tw;  // the warp's first and last active tiles; Tw = -1 for a warp past the rows
@@ -170,6 +171,7 @@ __device__ __forceinline__ WarpRows warp_rows(const Geom& geo, int qb) {
     x.r_hi = x.row0 + x.g + 8;
     x.v_lo = x.r_lo < geo.R;
     x.v_hi = x.r_hi < geo.R;
+    x.run_lo = x.v_lo, x.run_hi = x.v_hi;
     x.lim_lo = geo.lim(x.v_lo ? x.r_lo : geo.R - 1);
     x.lim_hi = geo.lim(x.v_hi ? x.r_hi : geo.R - 1);
     x.lo_lo = geo.lo(x.v_lo ? x.r_lo : geo.R - 1);

@@ -34,6 +34,7 @@ struct Pass1Args {
     int quant_p;             // §7.5
     int output;              // hot test (§7.7): 0 = mass, 1 = output
     int fma;                 // the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
+    int pad_vote;            // padding rows vote (§6.2): prep gave them row R − 1's Q̂ and c_q
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
@@ -130,20 +131,20 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
     }
     const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
     const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
-    const bool trig = __any_sync(0xFFFFFFFFu, (wr.v_lo && mx_lo > fadd(m_lo, tau)) ||
-                                                  (wr.v_hi && mx_hi > fadd(m_hi, tau)));
+    const bool trig = __any_sync(0xFFFFFFFFu, (wr.run_lo && mx_lo > fadd(m_lo, tau)) ||
+                                                  (wr.run_hi && mx_hi > fadd(m_hi, tau)));
     c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
     c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
 }
 
-// §7.7 hot test: a warp vote over the valid rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
+// §7.7 hot test: a warp vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
 // (x, run) = (tl, la) for the mass test and (tv, lv) for the output test.
 __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
                                             float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused) {
     const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
     const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-    const bool hp_lo = wr.v_lo && x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused));
-    const bool hp_hi = wr.v_hi && x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused));
+    const bool hp_lo = wr.run_lo && x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused));
+    const bool hp_hi = wr.run_hi && x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused));
     return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
 }
 
@@ -301,7 +302,12 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     constexpr int NKS = D / 16;   // channel k-steps
     constexpr int NDN = D / 8;    // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
-    const WarpRows wr = warp_rows(geo, qb);
+    WarpRows wr = warp_rows(geo, qb);
+    if (a.pad_vote) {  // §6.2: padding rows vote, over the keys of their own unclamped positions
+        wr.run_lo = wr.run_hi = true;
+        wr.lim_lo = geo.lim(wr.r_lo), wr.lim_hi = geo.lim(wr.r_hi);
+        wr.lo_lo = geo.lo(wr.r_lo), wr.lo_hi = geo.lo(wr.r_hi);
+    }
     const bool inter = a.interleaved != 0;
     const float lg2_lane = lg2_table(wr.lane < 9 ? wr.lane : 0);
     TileRing<P1_STAGES> ring(smem);

@@ -240,21 +240,24 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
                                        const float* __restrict__ scales, uint16_t* __restrict__ qhat,
                                        float* __restrict__ cq, float* __restrict__ sh, float* __restrict__ qstat,
                                        const Geom& g, float qmul, int q_mode, int q_terms, bool lsq, bool lanes,
-                                       bool fused) {
+                                       bool fused, bool pad_vote) {
     constexpr int NB = D / 16;
     const auto [b, hk, bh, idx] = prep_thread(g);
     // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
     const int r = (int)(idx / NB), cb = (int)(idx % NB);
     const bool in_range = r < g.Rp;
     const bool valid = r < g.R;
-    const int i = valid ? r / g.G : 0;
-    const int h = hk * g.G + (valid ? r % g.G : 0);
+    // Q̂ and c_q of a padding row: zero, or under pad_vote row R − 1's (§6.2); its statistics stay +0.
+    const bool formed = valid || (pad_vote && in_range);
+    const int rs = valid ? r : g.R - 1;
+    const int i = formed ? rs / g.G : 0;
+    const int h = hk * g.G + (formed ? rs % g.G : 0);
     const uint16_t* qrow = q + ((g.q0 + i) * g.H + h) * D;
     float x[16];
     float am = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-        x[j] = valid ? fmul(f32h(h_from_bits(qrow[16 * cb + j])), qmul) : 0.0f;
+        x[j] = formed ? fmul(f32h(h_from_bits(qrow[16 * cb + j])), qmul) : 0.0f;
         am = fmaxf(am, fabsf(x[j]));
     }
     // Row maximum over the NB lanes of the row (exact, order-free).
@@ -289,7 +292,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     }
     uint32_t out[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = valid ? f16x2(qh[2 * j], qh[2 * j + 1]) : 0u;
+    for (int j = 0; j < 8; ++j) out[j] = formed ? f16x2(qh[2 * j], qh[2 * j + 1]) : 0u;
     // §5.7 qn, eq, q2n: one sum of squares per statistic in channel order, handed from block to block
     // along the row's NB lanes (a row never straddles a warp, and warps are wholly in range: Rp is a
     // multiple of 16).
@@ -340,7 +343,7 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
             }
             s = fmul(s, qmul);
         }
-        cq[bh * g.Rp_buf + r] = valid ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
+        cq[bh * g.Rp_buf + r] = formed ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
         sh[bh * g.Rp_buf + r] = s;
     }
 }

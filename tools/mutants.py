@@ -149,6 +149,8 @@ MUTANTS = [
     Mutant("K18", "kernel p2_shift lanes: the four lane sums added in a chain, not in pairs", "cuda/prep.cuh",
            "s = fadd(fadd(ls[0], ls[1]), fadd(ls[2], ls[3]));", "s = fadd(fadd(fadd(ls[0], ls[1]), ls[2]), ls[3]);",
            SIM),
+    Mutant("K19", "kernel pad_vote: padding rows left out of the hot-test vote", "cuda/pass1.cuh",
+           "const bool hp_lo = wr.run_lo &&", "const bool hp_lo = wr.v_lo &&", SIM),
     Mutant("M32", "p2_shift lanes: the lane sums added in a chain", "apa_emu/prep.py",
            "return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])", "return ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]",
            ("tests/test_seed_preset.py",)),
