@@ -262,7 +262,7 @@ class _Runner:
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
         if self.mode.direct and not len(tiles):  # §9.5: the seed's direct store
-            out = p1.direct.astype(np.float16)
+            out = p1.part.astype(np.float16)
         else:
             out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
         p = self.prep

@@ -71,7 +71,7 @@ class P1Mode(NamedTuple):
     vk: np.float32  # §7.10: vg ⊗ Kf
     output: bool  # the output hot test (§7.7)
     fma: bool  # the seed's FMA sites (§1.8)
-    direct: bool  # direct_store with pass 1 run: export §9.5's direct output when no tile is hot
+    direct: bool  # direct_store with pass 1 run: a warp with no hot tile exports §9.5's direct output
     vg: np.float32  # §5.2 (the direct store's vg ⊘ lc)
 
 
@@ -88,19 +88,18 @@ class P1State(NamedTuple):
 
 
 class P1Out(NamedTuple):
-    """§7.10 export, the hot mask, and §9.5's direct output (``direct_store``, when no tile was hot)."""
+    """§7.10 export and the hot mask."""
 
     part: np.ndarray  # [16, d] f32
     m1: np.ndarray  # [16] f32
     l1: np.ndarray  # [16] f32
     ad1: np.ndarray  # [16] f32
     hot_words: np.ndarray  # [W] u32
-    direct: np.ndarray  # [16, d] f32
 
     @classmethod
     def new(cls, d: int, ntiles: int) -> "P1Out":
         return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
-                   np.zeros(-(-ntiles // 32), np.uint32), np.zeros((ROWS, d), F32))
+                   np.zeros(-(-ntiles // 32), np.uint32))
 
 
 @njit(cache=True)
@@ -306,16 +305,14 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
 
 @njit(cache=True)
 def p1_export(st, valid, mode, Kf, out):
-    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row; and under
-    ``direct_store`` with no hot tile, §9.5's o ⊗ (vg ⊘ lc)."""
+    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row; under ``direct_store``
+    a warp with no hot tile exports part = o ⊗ (vg ⊘ lc), §9.5's direct output."""
     direct = mode.direct and not out.hot_words.any()
     for r in range(ROWS):
         if valid[r]:
-            f = mode.vg / st.lc[r] if direct else np.float32(0)
+            f = mode.vg / st.lc[r] if direct else mode.vk
             for ch in range(st.o.shape[1]):
-                out.part[r, ch] = st.o[r, ch] * mode.vk
-                if direct:
-                    out.direct[r, ch] = st.o[r, ch] * f
+                out.part[r, ch] = st.o[r, ch] * f
             out.m1[r] = st.m[r]
             out.l1[r] = st.lc[r] * Kf
             out.ad1[r] = st.ad[r] * Kf

@@ -101,7 +101,7 @@ PASS1_ARGS = Struct("Pass1Args", [
     ("ml", PTR), ("carry", PTR), ("span", TILE_SPAN), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
     ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
     ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32), ("output", I32), ("fma", I32),
-    ("pad_vote", I32),
+    ("pad_vote", I32), ("direct", I32),
 ])
 
 # cuda/merge.cuh CertConsts: apa_emu.constants.CertConsts, by the same names (§9.7).
@@ -111,7 +111,8 @@ CERT = Struct("CertConsts", [("sd", F32), ("cs", F32), ("c2", F32), ("fast", F32
 PASS2_ARGS = Struct("Pass2Args", [
     ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("kv_maps", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
     ("cq", PTR), ("qstat", PTR), ("kvstat", PTR), ("bound", PTR),
-    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("fma", I32), ("cert", CERT),
+    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("fma", I32), ("direct", I32),
+    ("cert", CERT),
 ])
 
 # cuda/apa.cu: the entry points of the two passes and of the fused persistent launch.

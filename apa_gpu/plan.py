@@ -22,8 +22,8 @@ SCHEDULES = ("separate", "fused", "bounded")
 # The bounded schedule's segment: with the sink tile, the images of the seed's window ring (apa-blog.txt:
 # the sink tile and two slots of 96 tiles), which our launches fill one after the other.
 SEGMENT_TILES = 192
-# The seed's toggles the emulator alone models (numerics.md §12 #5, #11): the kernel runs their defaults.
-EMULATED = ("k_stats", "direct_store")
+# The seed's toggle the emulator alone models (numerics.md §12 #5): the kernel runs its default.
+EMULATED = ("k_stats",)
 PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
 
 
@@ -257,17 +257,18 @@ class Plan:
         schedule, each segment's key images first and pass 1 over it."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
+        direct = cfg.direct_store and cfg.eps >= 0  # §9.5: with ε < 0 every active tile is hot
         pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
                      part=self.part, ml=self.ml, carry=self.carry, span=self._span(0, s.ntiles), hot=self.hot,
                      trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
                      pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
-                     output=self.output, fma=cfg.fma, pad_vote=cfg.pad_vote)
+                     output=self.output, fma=cfg.fma, pad_vote=cfg.pad_vote, direct=direct)
         p = self._prep_params
         pass2 = dict(q=q, k=p["k"], v=p["v"], pages=p["pages"], kv_maps=self.kv_maps, sh=self.sh, part=self.part,
                      ml=self.ml, hot=self.hot, out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat,
                      bound=self.bound, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
-                     fma=cfg.fma, cert=cfg.cert_consts(s.d)._asdict())
+                     fma=cfg.fma, direct=direct, cert=cfg.cert_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)

@@ -124,6 +124,7 @@ def configs(draw):
         fma=draw(st.booleans()),
         p2_shift=draw(st.sampled_from(["sequential", "sequential", "lanes"])),
         pad_vote=draw(st.booleans()),
+        direct_store=draw(st.booleans()),
     )
 
 

@@ -226,7 +226,7 @@ APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq
                   APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
                   APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
                   APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p), APA_FIELD(Pass1Args, output),
-                  APA_FIELD(Pass1Args, fma), APA_FIELD(Pass1Args, pad_vote));
+                  APA_FIELD(Pass1Args, fma), APA_FIELD(Pass1Args, pad_vote), APA_FIELD(Pass1Args, direct));
 APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
                   APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
 APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
@@ -235,7 +235,8 @@ APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), A
                   APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, cq),
                   APA_FIELD(Pass2Args, qstat), APA_FIELD(Pass2Args, kvstat), APA_FIELD(Pass2Args, bound),
                   APA_FIELD(Pass2Args, trace_rows), APA_FIELD(Pass2Args, row_base), APA_FIELD(Pass2Args, qmul),
-                  APA_FIELD(Pass2Args, all_hot), APA_FIELD(Pass2Args, fma), APA_FIELD(Pass2Args, cert));
+                  APA_FIELD(Pass2Args, all_hot), APA_FIELD(Pass2Args, fma), APA_FIELD(Pass2Args, direct),
+                  APA_FIELD(Pass2Args, cert));
 APA_PARAMS_LAYOUT(Pass1Params, APA_FIELD(Pass1Params, sz), APA_FIELD(Pass1Params, pass1));
 APA_PARAMS_LAYOUT(Pass2Params, APA_FIELD(Pass2Params, sz), APA_FIELD(Pass2Params, pass2));
 APA_PARAMS_LAYOUT(FusedParams, APA_FIELD(FusedParams, sz), APA_FIELD(FusedParams, B),

@@ -35,6 +35,7 @@ struct Pass1Args {
     int output;              // hot test (§7.7): 0 = mass, 1 = output
     int fma;                 // the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
     int pad_vote;            // padding rows vote (§6.2): prep gave them row R − 1's Q̂ and c_q
+    int direct;              // direct_store (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc)
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
@@ -269,21 +270,32 @@ __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, fl
 }
 
 // §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf,
-// ad1 = ad ⊗ Kf.
+// ad1 = ad ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask words, set by lane 0's
+// atomics in this launch or an earlier segment's, read past L1) exports part = o ⊗ (vg ⊘ lc) (§9.5).
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
                                           const float (&o)[NDN][4], float m_lo, float m_hi, const P1Sums& lo,
                                           const P1Sums& hi) {
     const float kf = a.Kf;
-    const float vk = fmul(a.scales[bh * 2 + 1], kf);
+    const float vg = a.scales[bh * 2 + 1];
+    const float vk = fmul(vg, kf);
+    bool direct = false;
+    if (a.direct) {
+        __syncwarp();
+        const uint32_t* hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;
+        uint32_t any = 0;
+        for (int j = 0; j < geo.W_buf; ++j) any |= __ldcg(hot_w + j);
+        direct = any == 0;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? wr.r_hi : wr.r_lo;
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         float* prow = a.part + (bh * geo.Rp_buf + r) * D;
+        const float f = direct ? fdiv(vg, half ? hi.lc : lo.lc) : vk;
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
-            float2 val = make_float2(fmul(o[dn][2 * half], vk), fmul(o[dn][2 * half + 1], vk));
+            float2 val = make_float2(fmul(o[dn][2 * half], f), fmul(o[dn][2 * half + 1], f));
             *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
         }
         if (wr.t0 == 0) {

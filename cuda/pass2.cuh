@@ -33,6 +33,7 @@ struct Pass2Args {
     float qmul;
     int all_hot;             // ε < 0 (§9.6): no pass 1, every active tile hot
     int fma;                 // the seed's FMA sites (§1.8): §8.1 x, §9.3-9.4
+    int direct;              // direct_store (§9.5): a warp with no hot tile stores f16(part), not the merge
     CertConsts cert;
 };
 
@@ -254,7 +255,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             float2 pv = make_float2(0.0f, 0.0f);
             if (!a.all_hot) pv = __ldcg(reinterpret_cast<const float2*>(prow + c));
             const float o2a = p2_o2(st, dn, half, 0), o2b = p2_o2(st, dn, half, 1);
-            const uint32_t pr = merge_out2(mw[half], pv, o2a, o2b, a.fma);
+            const uint32_t pr = a.direct && nh == 0 ? f16x2(pv.x, pv.y) : merge_out2(mw[half], pv, o2a, o2b, a.fma);
             *reinterpret_cast<uint32_t*>(orow + c) = pr;
             bad[half] |= (pr & 0x7C00u) == 0x7C00u || (pr & 0x7C000000u) == 0x7C000000u;
 #if APA_TRACE

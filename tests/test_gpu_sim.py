@@ -194,6 +194,10 @@ SCRIPT = textwrap.dedent(
     v[:] = np.random.default_rng(0).standard_normal((256, 1, 64))
     run(75, 1, 1, 1, 256, 64, 128, Config(eps=0.05, pad_vote=True), inputs=(q, k, v))
     run(76, 5, 3, 1, 400, 64, 150, Config(eps=0.05, pad_vote=True), sink=True, schedule="bounded", segment=2)
+    # The direct store (§9.5 direct_store): pure FP4, where no warp has a hot tile; and ε = 0.3 in
+    # segments, where every warp has one (its first tile), set by an earlier launch than the export's.
+    run(77, 24, 2, 1, 260, 64, 236, Config(eps=1e9, direct_store=True), sink=True)
+    run(78, 70, 3, 1, 700, 64, 640, Config(eps=0.3, direct_store=True), sink=True, schedule="bounded", segment=3)
     """
 )
 
@@ -204,14 +208,14 @@ def test_kernel_sources_on_simulator_match_emulator(tmp_path):
                        timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 40, r.stdout
+    assert len(lines) == 42, r.stdout
     counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
     assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
     assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
     assert counts[9][0] == 0, "ε = 1 can make no tile hot"
     assert all(0 < h < a for h, a, _ in counts[15:17]), "an output-test problem did not mix hot and cold tiles"
     bounded = [c for line, c in zip(lines, counts) if " bounded " in line]
-    assert len(bounded) == 9 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
+    assert len(bounded) == 10 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
 
 
 def test_fma_site_probes_on_simulator(tmp_path):

@@ -219,7 +219,8 @@ def test_padding_rows_change_nothing_bottom_right():
 
 
 def test_direct_store_by_hand():
-    """§9.5 ``direct_store`` in the export: lc = 7, vg = 1 and o = 7·(1 + 2⁻¹¹) + 2⁻²¹ (one ulp above).
+    """§9.5 ``direct_store`` in the export (part, stored as f16(part)): lc = 7, vg = 1 and
+    o = 7·(1 + 2⁻¹¹) + 2⁻²¹ (one ulp above).
     vg ⊘ 7 = RN(1/7) = (1/7)(1 + 2⁻²⁴·…); o ⊗ RN(1/7) = 1 + 2⁻¹¹ + 2⁻²³, just above the FP16 tie
     1 + 2⁻¹¹, so the store is 1 + 2⁻¹⁰. The merge forms part = o ⊗ (vg ⊗ Kf) and 1 ⊘ (lc ⊗ Kf) and lands
     on the tie itself, 1 + 2⁻¹¹, which rounds to the even 1."""
@@ -229,11 +230,15 @@ def test_direct_store_by_hand():
     Kf = Config().pass1_consts().Kf
     st = P1State(np.zeros(16, F32), np.zeros(16, F32), np.full(16, F32(7)), np.zeros(16, F32),
                  np.full((16, d), o), np.zeros(16, F32))
-    out = P1Out.new(d, 1)
-    mode = P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, True, F32(1))
-    p1_export(st, np.ones(16, bool), mode, Kf, out)
-    assert float(out.direct[0, 0]) == 1 + 2.0**-11 + 2.0**-23
-    assert float(np.float16(out.direct[0, 0])) == 1 + 2.0**-10
+    exported = {}
+    for direct in (True, False):
+        out = P1Out.new(d, 1)
+        mode = P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, direct, F32(1))
+        p1_export(st, np.ones(16, bool), mode, Kf, out)
+        exported[direct] = out
+    assert float(exported[True].part[0, 0]) == 1 + 2.0**-11 + 2.0**-23
+    assert float(np.float16(exported[True].part[0, 0])) == 1 + 2.0**-10
+    out = exported[False]
     merged = merge(out.m1, out.l1, out.part, np.full(16, -np.inf, F32), np.zeros(16, F32), np.zeros((16, d), F32),
                    True)
     assert float(merged[0, 0]) == 1.0
@@ -253,12 +258,10 @@ def test_direct_store_only_without_hot_tiles():
 
 
 def test_seed_toggles_refused_by_the_kernel():
-    """The kernel implements neither §12 #5 nor #11: the launcher names each one instead of running
-    something else (checked without a GPU: ``check_config`` is host code). #7 and #9 it runs."""
+    """The kernel does not implement §12 #5: the launcher names it instead of running something else
+    (checked without a GPU: ``check_config`` is host code). #7, #9 and #11 it runs."""
     from apa_gpu.plan import check_config
 
-    for change in (dict(k_stats="sampled"), dict(direct_store=True)):
-        (name, value), = change.items()
-        with pytest.raises(NotImplementedError, match=f"{name}={value!r}"):
-            check_config(Config(**change), 64)
-    check_config(Config(fma=True, v_f16=True, p_groups="interleaved", p2_shift="lanes", pad_vote=True), 64)
+    with pytest.raises(NotImplementedError, match="k_stats='sampled'"):
+        check_config(Config(k_stats="sampled"), 64)
+    check_config(Config.seed(mma="sm90", k_stats="exact"), 64)
