@@ -33,7 +33,7 @@ def _pass2_values(**over):
     ptrs = {f: _Buf(0x1000 * (i + 1)) for i, (f, t) in enumerate(PASS2_ARGS.fields) if t is PTR}
     cert = dict(sd=8.0, cs=2.0**-9, c2=2.0**-7, fast=0.0, delta=32.0)
     pages = dict(table=None, page_size=0, max_pages=0)
-    return dict(ptrs, pages=pages, qmul=np.float32(0.125), all_hot=True, fma=False, cert=cert) | over
+    return dict(ptrs, pages=pages, qmul=np.float32(0.125), all_hot=True, fma=False, direct=False, cert=cert) | over
 
 
 def test_pack_places_every_field_at_its_offset():
