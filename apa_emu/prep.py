@@ -153,12 +153,13 @@ def sampled_stats(k: np.ndarray, v: np.ndarray, stride: int):
 def call_stats(k: np.ndarray, v: np.ndarray, v_f16: bool) -> Stats:
     """§5.10 of a whole call (k, v [B, S, Hkv, d]): the sampled statistics of every (b, hk), taken again
     over all keys when one of them overflows."""
+    def every_entry(stride: int) -> Stats:
+        return Stats(*(np.stack(x) for x in zip(*(sampled_stats(kb, vb, stride) for kb, vb in zip(k, v)))))
+
     stride = max(1, cdiv(k.shape[1], CHUNK_KEYS) // SAMPLED_CHUNKS)
-    per_b = lambda st: Stats(*(np.stack(x) for x in zip(*(sampled_stats(k[b], v[b], st)  # noqa: E731
-                                                              for b in range(k.shape[0])))))
-    stats = per_b(stride)
+    stats = every_entry(stride)
     if stride > 1 and overflows(k, v, 0, stats, np, v_f16):
-        stats = per_b(1)
+        stats = every_entry(1)
     return stats
 
 
