@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from test_fpmath import _f32_exact_rne
 
 from apa_emu import Config, attention
 from apa_emu.merge import merge
@@ -126,7 +127,7 @@ def _seed_lane_shift(q: np.ndarray, kmean: np.ndarray, fused: bool) -> np.float3
                 c = 16 * k + 8 * h + 2 * t0
                 right = F32(q[c + 1]) * F32(kmean[c + 1])
                 if fused:
-                    t = _round32(Fraction(float(q[c])) * Fraction(float(kmean[c])) + Fraction(float(right)))
+                    t = _f32_exact_rne(Fraction(float(q[c])) * Fraction(float(kmean[c])) + Fraction(float(right)))
                 else:
                     t = F32(q[c]) * F32(kmean[c]) + right
                 sh[t0] = sh[t0] + t
@@ -134,17 +135,6 @@ def _seed_lane_shift(q: np.ndarray, kmean: np.ndarray, fused: bool) -> np.float3
     after2 = [after1[t] + after1[t ^ 2] for t in range(4)]
     assert len({float(x) for x in after2}) == 1  # every lane holds the same value
     return after2[0]
-
-
-def _round32(x: Fraction) -> np.float32:
-    """x rounded once to binary32 (RNE), from its two binary32 neighbours."""
-    lo = F32(float(x))
-    lo = lo if Fraction(float(lo)) <= x else np.nextafter(lo, F32(-np.inf))
-    hi = np.nextafter(lo, F32(np.inf))
-    dl, dh = x - Fraction(float(lo)), Fraction(float(hi)) - x
-    if dl != dh:
-        return lo if dl < dh else hi
-    return lo if int(lo.view(np.uint32)) % 2 == 0 else hi
 
 
 @pytest.mark.parametrize("fma", [False, True])
