@@ -27,6 +27,7 @@ from apa_gpu import device
 from apa_gpu.build import SUPPORTED_D
 from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
 from apa_gpu.strategies import STRUCTURES, configs, make_inputs, paginate, problems, schedules
+from hyp import Seen
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +65,32 @@ def test_kernel_matches_emulator(problem, cfg):
     shape, q_offset = problem
     q, k, v = make_inputs(**shape)
     check_bitwise(q, k, v, q_offset, cfg)
+
+
+
+def test_seed_preset_matches_emulator():
+    """Config.seed() as far as sm_90 runs it (numerics.md §12): sm90 MMA and exact K statistics, every
+    other seed toggle on, against the emulator; it must meet warps that store directly (§9.5), warps
+    that merge, and warps with padding rows (§6.2)."""
+    seen = Seen()
+
+    @SETTINGS
+    @given(problems(), st.sampled_from([0.005, 0.02, 0.3, 1e9]), schedules())
+    @example((dict(seed=1, B=1, n=37, Hkv=2, G=3, d=64, S=300, structure="sink", batched=False), 263), 0.02, {})
+    def prop(problem, eps, sched):
+        shape, q_offset = problem
+        q, k, v = make_inputs(**shape)
+        emu, _ = check_bitwise(q, k, v, q_offset, Config.seed(mma="sm90", k_stats="exact", eps=eps), sched=sched)
+        vis = emu.visits
+        warp = np.stack([vis["b"], vis["hk"], vis["warp"]], axis=1)
+        if len(warp):
+            _, inv = np.unique(warp, axis=0, return_inverse=True)
+            hot_warps = np.bincount(inv.ravel(), weights=vis["hot"] == 1) > 0
+            seen.update(direct=int((~hot_warps).sum()), merged=int(hot_warps.sum()))
+        seen.update(padding=int(emu.meta["R"] % 16 != 0))
+
+    prop()
+    seen.require("direct", "merged", "padding")
 
 
 @SETTINGS
