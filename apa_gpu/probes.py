@@ -14,7 +14,7 @@ MMA_F32 = Struct("ProbeMmaF32Params", _MMA_FIELDS)
 MMA_F16 = Struct("ProbeMmaF16Params", _MMA_FIELDS)
 EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode", I32)])
 CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
-QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("codes", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
+QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("q", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
 TABLES = Struct("ProbeTablesParams", [("lg2", PTR), ("dec", PTR)])
 PSCALE = Struct("ProbePscaleParams", [("gm", PTR), ("cq", PTR), ("c", PTR), ("scale", PTR), ("bias", PTR),
                                       ("mass", PTR), ("count", I64), ("A", F32), ("L", F32), ("pow2", I32),
@@ -61,23 +61,24 @@ def run_probe_exp2(x, variant: str = "soft"):
 
 
 def run_probe_codes(x):
-    """(E2M1 codes, E4M3 codes) of binary32 values."""
+    """(E2M1 values as binary32, E4M3 codes) of binary32 values."""
     xp = device.backend().xp
     xd = _f32(x)
     n = xd.size
-    a, b = xp.empty(n, np.uint8), xp.empty(n, np.uint8)
+    a, b = xp.empty(n, np.float32), xp.empty(n, np.uint8)
     _run("apa_probe_codes", -(-n // 256), 256, dict(x=xd, e2m1=a, e4m3=b, count=n))
     return xp.asnumpy(a).reshape(np.shape(x)), xp.asnumpy(b).reshape(np.shape(x))
 
 
 def run_probe_quant16(x, lsq: bool = True):
-    """quant16 of x [nblocks, 16]: (codes [nblocks, 16], sb [nblocks])."""
+    """quant16 of x [nblocks, 16]: (the represented values e2m1(code)·dec(sb) [nblocks, 16] as binary32,
+    sb [nblocks])."""
     xp = device.backend().xp
     xd = _f32(x)
     nb = xd.shape[0]
-    codes, sb = xp.empty((nb, 16), np.uint8), xp.empty(nb, np.uint8)
-    _run("apa_probe_quant16", -(-nb // 128), 128, dict(x=xd, codes=codes, sb=sb, nblocks=nb, lsq=lsq))
-    return xp.asnumpy(codes), xp.asnumpy(sb)
+    q, sb = xp.empty((nb, 16), np.float32), xp.empty(nb, np.uint8)
+    _run("apa_probe_quant16", -(-nb // 128), 128, dict(x=xd, q=q, sb=sb, nblocks=nb, lsq=lsq))
+    return xp.asnumpy(q), xp.asnumpy(sb)
 
 
 def run_probe_tables():

@@ -105,7 +105,8 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
 }
 
 extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_cert, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
+    __shared__ CertSmem sm;
+    APA_BY_LAYOUT(prep_cert, sm, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
                   p.span, p.interleaved != 0);
 }
 

@@ -9,47 +9,26 @@
 namespace apa {
 
 // ---------------------------------------------------------------------------------------------
-// E2M1 (numerics.md §4.1). Code: bit 3 sign, bits 2..0 index into {0, .5, 1, 1.5, 2, 3, 4, 6}.
-// Clamp to [-6, 6], then RNE to the grid: encoded by thresholds (ties 0.25->0, 0.75->1,
-// 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; everything above 5 -> 6, which is the clamp).
-// sm_90 has no e2m1 cvt instruction (research/peers.md §0.1).
+// E2M1 (numerics.md §4.1): clamp to [-6, 6], then RNE to the grid {0, .5, 1, 1.5, 2, 3, 4, 6} (ties
+// 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). sm_90 has no e2m1 cvt instruction
+// (research/peers.md §0.1). Only values are formed: every E2M1 value times a UE4M3 scale is exact in
+// binary32 and binary16 (§4.5), so the kernel never needs the codes.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
-    uint32_t sign = __float_as_uint(x) >> 31;
-    float a = fabsf(x);
-    uint32_t idx;
-    if (a <= 0.25f) idx = 0;
-    else if (a < 0.75f) idx = 1;
-    else if (a <= 1.25f) idx = 2;
-    else if (a < 1.75f) idx = 3;
-    else if (a <= 2.5f) idx = 4;
-    else if (a < 3.5f) idx = 5;
-    else if (a <= 5.0f) idx = 6;
-    else idx = 7;
-    return (sign << 3) | idx;
-}
-
-// The value of an E2M1 code as binary32 (exact; -0 for code 0x8).
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-    // magnitudes x2: {0, 1, 2, 3, 4, 6, 8, 12}
-    const uint32_t twice = (0xC8643210u >> (4u * (code & 7u))) & 0xFu;
-    float v = __fmul_rn((float)twice, 0.5f);
-    return (code & 8u) ? -v : v;
-}
-
-// e2m1(x) as a value: the nearest grid value (numerics.md §4.1), sign kept (-0 for small negative x).
-// The same thresholds as e2m1_code, selecting the value directly (no integer-to-float conversion).
+// e2m1(x) as a binary32 value, sign kept (-0 for small negative x): |x| clamped at 6 (NaN too, as the
+// clamp reads it), then ⊕ C ⊖ C with C = 2^(max(e, 0) + 22) for |x| = 1.m·2^e, whose ulp is the E2M1
+// spacing at x (0.5 below 2, then 1, then 2): the add rounds to the grid RNE, as e2m1 ties, and the
+// subtraction is exact. Subnormal x has e < 0: C = 2^22.
 __device__ __forceinline__ float e2m1_round(float x) {
-    const float a = fabsf(x);
-    const float v = a <= 0.25f ? 0.0f
-                  : a < 0.75f  ? 0.5f
-                  : a <= 1.25f ? 1.0f
-                  : a < 1.75f  ? 1.5f
-                  : a <= 2.5f  ? 2.0f
-                  : a < 3.5f   ? 3.0f
-                  : a <= 5.0f  ? 4.0f
-                               : 6.0f;
-    return __uint_as_float(__float_as_uint(v) | (__float_as_uint(x) & 0x80000000u));
+    const float a = fminf(fabsf(x), 6.0f);
+    const float c = fmaxf(__uint_as_float((__float_as_uint(a) & 0x7F800000u) + (22u << 23)), f32_from_bits(0x4A800000u));
+    return __uint_as_float(__float_as_uint(fsub(fadd(a, c), c)) | (__float_as_uint(x) & 0x80000000u));
+}
+
+// e2m1 of a pair of non-negative binary16 x < 2^22 (§4.1, clamp excepted: values above 6 stay above it)
+// in binary16: e2m1_round's x ⊕ C ⊖ C with C = 2^(max(e, 0) + 9).
+__device__ __forceinline__ uint32_t e2m1_grid_x2(uint32_t x) {
+    const uint32_t c = hmax2((x & 0x7C007C00u) + 0x24002400u, 0x60006000u);  // exponent + 9, no carry out
+    return hsub2(hadd2(x, c), c);
 }
 
 // e2m1(exp2s(y)) ⊗ sc from y alone (numerics.md §7.5, "thresholds"): exp2s splits the binary32 line
@@ -96,9 +75,7 @@ __device__ __forceinline__ float e2m1_exp2s_scaled(float y, float sc) {
 
 // Fast mode (numerics.md §2, §7.5): the E2M1 values of a pair of y (two elements of one row and
 // group) from the hardware exp2 of f16(min(y, 4)), rounded to the E2M1 grid in binary16 and
-// saturated at 6, times sc2 = (dec(kb), dec(kb)); the products are exact binary16. Rounding:
-// x ⊕ C ⊖ C with C = 2^(max(e, 0) + 9) for x = 1.m·2^e, whose ulp is the E2M1 spacing at x (0.5 below
-// 2, then 1, then 2), RNE like e2m1(); x ≤ 16 keeps C's exponent field in range.
+// saturated at 6, times sc2 = (dec(kb), dec(kb)); the products are exact binary16.
 __device__ __forceinline__ uint32_t e2m1_exp2_fast_x2(float y0, float y1, uint32_t sc2) {
 #ifdef APA_SIM
     auto one = [](float y, __half sc) {
@@ -107,17 +84,9 @@ __device__ __forceinline__ uint32_t e2m1_exp2_fast_x2(float y0, float y1, uint32
     };
     return (uint32_t)one(y0, h2_lo(sc2)) | ((uint32_t)one(y1, h2_hi(sc2)) << 16);
 #else
-    uint32_t y, x, c, r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y) : "f"(y1), "f"(y0));
-    asm("min.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x44004400u));
-    asm("ex2.approx.f16x2 %0, %1;" : "=r"(x) : "r"(y));
-    c = (x & 0x7C007C00u) + 0x24002400u;  // exponent + 9 in each half: no carry out (x ≤ 16)
-    asm("max.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(0x60006000u));  // at least 2^9
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(c));
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(c));
-    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0x46004600u));  // 6
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(sc2));
-    return r;
+    uint32_t x;
+    asm("ex2.approx.f16x2 %0, %1;" : "=r"(x) : "r"(hmin2(f16x2(y0, y1), 0x44004400u)));
+    return hmul2(hmin2(e2m1_grid_x2(x), 0x46004600u), sc2);  // x ≤ 16; saturate at 6
 #endif
 }
 
@@ -148,10 +117,11 @@ __device__ __forceinline__ float e4m3_value(uint32_t c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// quant16 (numerics.md §4.4): 16 binary32 values (already divided by their global scale) to 16
-// E2M1 codes and one UE4M3 block scale. Returns sb; codes[i] receive the E2M1 codes.
+// quant16 (numerics.md §4.4): 16 binary32 values (already divided by their global scale) to one UE4M3
+// block scale sb, returned, and the values their E2M1 codes represent, q[i] = e2m1(code_i) ⊗ dec(sb)
+// (exact, §4.5).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t quant16(const float (&x)[16], uint32_t (&codes)[16], bool lsq) {
+__device__ __forceinline__ uint32_t quant16(const float (&x)[16], float (&q)[16], bool lsq) {
     // step 1
     float am = 0.0f;
 #pragma unroll
@@ -160,7 +130,7 @@ __device__ __forceinline__ uint32_t quant16(const float (&x)[16], uint32_t (&cod
     // step 2
     if (am == 0.0f) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) codes[i] = 0;
+        for (int i = 0; i < 16; ++i) q[i] = 0.0f;
         return 0;
     }
     uint32_t sb;
@@ -169,9 +139,12 @@ __device__ __forceinline__ uint32_t quant16(const float (&x)[16], uint32_t (&cod
         sb = c0 == 0 ? 1u : c0;
     } else {
         // step 3, lsq: candidates c0+0, c0-1, c0+1, c0-2, c0+3, c0+4, c0+5, c0+6
-        __half xh[16];
+        // The low and high halves of step 3 as the two elements of packed pairs, and |xh| for xh: a
+        // sign flips a and e2m1(a) together, so d² is the same (e2m1 rounds ties symmetrically). The
+        // clamp at 6 comes before the grid rounding, which keeps a finite a's exponent in its range.
+        uint32_t xh2[8];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) xh[i] = f16(x[i]);
+        for (int j = 0; j < 8; ++j) xh2[j] = f16x2(x[2 * j], x[2 * j + 1]) & 0x7FFF7FFFu;
         // offsets {0, -1, 1, -2, 3, 4, 5, 6} + 2 as nibbles (no local-memory array)
         constexpr uint32_t OFFS = 0x87650312u;
         float best = pos_inf();
@@ -181,25 +154,15 @@ __device__ __forceinline__ uint32_t quant16(const float (&x)[16], uint32_t (&cod
             const int c = (int)c0 + (int)((OFFS >> (4 * k)) & 0xFu) - 2;
             if (c < 1 || c > 0x7E) continue;
             const float sc = ue4m3_dec((uint32_t)c);
-            const float inv = fdiv(1.0f, sc);
-            const __half ivh = f16(inv);
-            __half e_lo = h_from_bits(0), e_hi = h_from_bits(0);
+            const uint32_t ivh2 = h_bits(f16(fdiv(1.0f, sc))) * 0x10001u;
+            uint32_t e = 0u;  // (e_low, e_high)
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                {   // low half: even i
-                    const __half a = hmul(xh[2 * j], ivh);
-                    const __half q = f16(e2m1_round(f32h(a)));
-                    const __half d = hsub(q, a);
-                    e_lo = hfma(d, d, e_lo);
-                }
-                {   // high half: odd i
-                    const __half a = hmul(xh[2 * j + 1], ivh);
-                    const __half q = f16(e2m1_round(f32h(a)));
-                    const __half d = hsub(q, a);
-                    e_hi = hfma(d, d, e_hi);
-                }
+                const uint32_t a = hmul2(xh2[j], ivh2);
+                const uint32_t d = hsub2(e2m1_grid_x2(hmin2(a, 0x46004600u)), a);
+                e = hfma2(d, d, e);
             }
-            const float err = fmul(fmul(fadd(f32h(e_lo), f32h(e_hi)), sc), sc);
+            const float err = fmul(fmul(fadd(f32h(h2_lo(e)), f32h(h2_hi(e))), sc), sc);
             if (err < best) {
                 best = err;
                 sb = (uint32_t)c;
@@ -207,15 +170,10 @@ __device__ __forceinline__ uint32_t quant16(const float (&x)[16], uint32_t (&cod
         }
     }
     // step 4
-    const float inv = fdiv(1.0f, ue4m3_dec(sb));
+    const float sc = ue4m3_dec(sb), inv = fdiv(1.0f, sc);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) codes[i] = e2m1_code(fmul(x[i], inv));
+    for (int i = 0; i < 16; ++i) q[i] = fmul(e2m1_round(fmul(x[i], inv)), sc);
     return sb;
-}
-
-// The represented value e2m1(code) * dec(sb) (exact in binary32 and in binary16, §4.5).
-__device__ __forceinline__ float q_value(uint32_t code, uint32_t sb) {
-    return fmul(e2m1_value(code), ue4m3_dec(sb));
 }
 
 }  // namespace apa

@@ -166,10 +166,10 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     }
     uint32_t out[8];
     if (quant && key < g.S) {
-        uint32_t codes[16];
-        const uint32_t sb = quant16(x, codes, lsq);
+        float qv[16];
+        quant16(x, qv, lsq);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = f16x2(q_value(codes[2 * i], sb), q_value(codes[2 * i + 1], sb));
+        for (int i = 0; i < 8; ++i) out[i] = f16x2(qv[2 * i], qv[2 * i + 1]);
     } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] = key < g.S ? f16x2(x[2 * i], x[2 * i + 1]) : 0u;
@@ -211,12 +211,12 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
     }
     uint16_t h[16];
     if (quant && any) {
-        uint32_t codes[16];
-        const uint32_t sb = quant16(x, codes, lsq);
+        float qv[16];
+        quant16(x, qv, lsq);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-            h[i] = key < g.S ? h_bits(f16(q_value(codes[i], sb))) : (uint16_t)0;
+            h[i] = key < g.S ? h_bits(f16(qv[i])) : (uint16_t)0;
         }
     } else {
 #pragma unroll
@@ -270,18 +270,14 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
     for (int j = 0; j < 16; ++j) x[j] = fdiv(x[j], qr);
     float qh[16];
     if (q_mode == 0) {
-        uint32_t w1[16];
-        const uint32_t sb1 = quant16(x, w1, lsq);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) qh[j] = q_value(w1[j], sb1);
+        quant16(x, qh, lsq);
         if (q_terms == 2) {
-            float res[16];
+            float res[16], q2[16];
 #pragma unroll
             for (int j = 0; j < 16; ++j) res[j] = fsub(x[j], qh[j]);
-            uint32_t w2[16];
-            const uint32_t sb2 = quant16(res, w2, lsq);
+            quant16(res, q2, lsq);
 #pragma unroll
-            for (int j = 0; j < 16; ++j) qh[j] = fadd(qh[j], q_value(w2[j], sb2));  // exact in binary32
+            for (int j = 0; j < 16; ++j) qh[j] = fadd(qh[j], q2[j]);  // exact in binary32
         }
     } else if (q_mode == 1) {
 #pragma unroll
@@ -358,16 +354,24 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 // output hot test (nu not null) the same per-key norm of v gives §5.8's ν, stored in slot order.
 constexpr int CERT_THREADS = TILE;
 constexpr int CERT_ROW = D + 2;  // halves per staged row
-constexpr int CERT_BATCH = 8;    // staged words in flight per thread (TILE·D/2 / CERT_THREADS is a multiple)
+constexpr int CERT_BATCH = 8;    // staged 16-byte chunks in flight per thread (TILE·D/8 / CERT_THREADS is a multiple):
+                                 // the loads, not the sums, bound this kernel
+// The block's staging buffers, declared once by the kernel: a __shared__ array inside prep_cert would be
+// allocated once per layout instantiation, twice the shared memory, half the resident blocks.
+struct CertSmem {
+    uint32_t rows_w[TILE * CERT_ROW / 2];    // the tile's K (then V) rows, by key
+    alignas(16) uint32_t img_w[TILE * D / 2];  // its K̂ (then V̂ᵀ) image
+    long long key_rows[TILE];
+};
 template <bool PAGED>
-__device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
+__device__ __forceinline__ void prep_cert(CertSmem& sm, const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
                                           const float* __restrict__ kmean, const float* __restrict__ scales,
                                           const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
                                           unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu,
                                           const KvPages& pg, const Geom& g, const TileSpan& span,
                                           bool interleaved) {
-    __shared__ uint32_t rows_w[TILE * CERT_ROW / 2];  // the tile's K (then V) rows, by key
-    __shared__ uint32_t img_w[TILE * D / 2];          // its K̂ (then V̂ᵀ) image
+    uint32_t* rows_w = sm.rows_w;
+    uint32_t* img_w = sm.img_w;
     uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
     uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
     const int b = blockIdx.z, hk = blockIdx.y, tile = span.lo + blockIdx.x, j = threadIdx.x;
@@ -377,28 +381,32 @@ __device__ __forceinline__ void prep_cert(const uint16_t* __restrict__ k, const 
     const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
     const bool valid = key < g.S && key >= g.lo(0);  // the keys some row sees (§5.7)
     float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    __shared__ long long key_rows[TILE];  // ordered by the first __syncthreads below
+    long long* key_rows = sm.key_rows;  // ordered by the first __syncthreads below
     kv_rows<PAGED>(key_rows, pg, g, b, hk, tile * TILE, TILE);
     for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
         const uint16_t* src = phase ? v : k;
         const uint16_t* im = (phase ? vhat : khat) + (bh * span.stride + span.slot(tile)) * TILE * D;
         __syncthreads();  // the previous phase's reads are done
-        // Word e: key e / (D/2), channels 2 (e % (D/2)). CERT_BATCH words' loads are issued before
-        // their shared-memory stores, which the compiler would not move the loads across.
-        for (int e0 = j; e0 < TILE * D / 2; e0 += CERT_BATCH * CERT_THREADS) {
-            uint32_t w[CERT_BATCH], wi[CERT_BATCH];
+        // Chunk e: key e / (D/8), channels 8 (e % (D/8)) on. CERT_BATCH chunks' loads are issued
+        // before their shared-memory stores, which the compiler would not move the loads across.
+        for (int e0 = j; e0 < TILE * D / 8; e0 += CERT_BATCH * CERT_THREADS) {
+            uint4 w[CERT_BATCH], wi[CERT_BATCH];
 #pragma unroll
             for (int u = 0; u < CERT_BATCH; ++u) {
-                const int e = e0 + u * CERT_THREADS, r = e / (D / 2), c = 2 * (e % (D / 2));
+                const int e = e0 + u * CERT_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
                 const long long row = key_rows[r];  // past S or a hole: zeros
-                w[u] = row >= 0 ? *reinterpret_cast<const uint32_t*>(src + row + c) : 0u;
-                wi[u] = reinterpret_cast<const uint32_t*>(im)[e];
+                w[u] = row >= 0 ? *reinterpret_cast<const uint4*>(src + row + c) : make_uint4(0u, 0u, 0u, 0u);
+                wi[u] = reinterpret_cast<const uint4*>(im)[e];
             }
 #pragma unroll
             for (int u = 0; u < CERT_BATCH; ++u) {
-                const int e = e0 + u * CERT_THREADS, r = e / (D / 2), c = 2 * (e % (D / 2));
-                rows_w[(r * CERT_ROW + c) / 2] = w[u];
-                img_w[e] = wi[u];
+                const int e = e0 + u * CERT_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
+                uint32_t* dst = rows_w + (r * CERT_ROW + c) / 2;  // rows padded by a word: 4-byte stores
+                dst[0] = w[u].x;
+                dst[1] = w[u].y;
+                dst[2] = w[u].z;
+                dst[3] = w[u].w;
+                reinterpret_cast<uint4*>(img_w)[e] = wi[u];
             }
         }
         __syncthreads();

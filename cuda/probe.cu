@@ -35,14 +35,14 @@ struct ProbeExp2Params {
 
 struct ProbeCodesParams {
     const float* x;
-    uint8_t* e2m1;
+    float* e2m1;
     uint8_t* e4m3;
     long long count;
 };
 
 struct ProbeQuant16Params {
     const float* x;
-    uint8_t* codes;
+    float* q;
     uint8_t* sb;
     long long nblocks;
     int lsq;
@@ -134,26 +134,25 @@ extern "C" __global__ void apa_probe_exp2(const __grid_constant__ ProbeExp2Param
     }
 }
 
-// E2M1 code and E4M3 code of every binary32 element.
+// E2M1 value and E4M3 code of every binary32 element.
 extern "C" __global__ void apa_probe_codes(const __grid_constant__ ProbeCodesParams p) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < p.count) {
-        p.e2m1[i] = (uint8_t)e2m1_code(p.x[i]);
+        p.e2m1[i] = e2m1_round(p.x[i]);
         p.e4m3[i] = (uint8_t)e4m3_code(p.x[i]);
     }
 }
 
-// quant16 of each block of 16 binary32 values: codes [nblocks][16], sb [nblocks].
+// quant16 of each block of 16 binary32 values: values q [nblocks][16], sb [nblocks].
 extern "C" __global__ void apa_probe_quant16(const __grid_constant__ ProbeQuant16Params p) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= p.nblocks) return;
-    float v[16];
-    uint32_t c[16];
+    float v[16], q[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) v[j] = p.x[i * 16 + j];
-    p.sb[i] = (uint8_t)quant16(v, c, p.lsq != 0);
+    p.sb[i] = (uint8_t)quant16(v, q, p.lsq != 0);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) p.codes[i * 16 + j] = (uint8_t)c[j];
+    for (int j = 0; j < 16; ++j) p.q[i * 16 + j] = q[j];
 }
 
 // The LG2 table (9 entries) and UE4M3 dec of codes 0..0x7E.
@@ -193,7 +192,7 @@ APA_PARAMS_LAYOUT(ProbeExp2Params, APA_FIELD(ProbeExp2Params, x), APA_FIELD(Prob
                   APA_FIELD(ProbeExp2Params, count), APA_FIELD(ProbeExp2Params, mode));
 APA_PARAMS_LAYOUT(ProbeCodesParams, APA_FIELD(ProbeCodesParams, x), APA_FIELD(ProbeCodesParams, e2m1),
                   APA_FIELD(ProbeCodesParams, e4m3), APA_FIELD(ProbeCodesParams, count));
-APA_PARAMS_LAYOUT(ProbeQuant16Params, APA_FIELD(ProbeQuant16Params, x), APA_FIELD(ProbeQuant16Params, codes),
+APA_PARAMS_LAYOUT(ProbeQuant16Params, APA_FIELD(ProbeQuant16Params, x), APA_FIELD(ProbeQuant16Params, q),
                   APA_FIELD(ProbeQuant16Params, sb), APA_FIELD(ProbeQuant16Params, nblocks),
                   APA_FIELD(ProbeQuant16Params, lsq));
 APA_PARAMS_LAYOUT(ProbeTablesParams, APA_FIELD(ProbeTablesParams, lg2), APA_FIELD(ProbeTablesParams, dec));

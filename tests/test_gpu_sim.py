@@ -227,6 +227,17 @@ def test_fma_site_probes_on_simulator(tmp_path):
     assert r.returncode == 0 and re.search(r"^2 passed", r.stdout, re.M), r.stdout + r.stderr
 
 
+def test_quant16_probe_on_simulator(tmp_path):
+    """tests/test_gpu_formats.py's quant16 check (§4.4: the packed binary16 search, ties, one-hot and
+    sparse blocks) on the simulator with 4000 blocks per mode, so that CI runs cuda/formats.cuh's block
+    quantizer, not only the device."""
+    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    code = "import test_gpu_formats as t\nfor lsq in (True, False): t.check_quant16(4000, lsq)\nprint('ok')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
 @pytest.fixture(scope="module")
 def small_dump(tmp_path_factory):
     from apa_emu.study.dump import write_dump
