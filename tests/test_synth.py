@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from apa_emu.study.dump import read_dump, write_dump
-from apa_emu.study.synth import PRESETS, synthetic, synthetic_preset
+from apa_emu.study.synth import FAMILIES, PRESETS, synthetic, synthetic_preset
 
 
 def _probs(d, h):
@@ -136,6 +136,16 @@ def test_outliers():
     assert (np.abs(noisy.q.astype(np.float32)) >= 14).any() and (
         np.abs(noisy.k.astype(np.float32)) >= 14
     ).any()
+
+
+def test_families_are_distinct_knob_sets():
+    """The benchmark families (tools/bench_gpu.py --family) build, and the second one is what its name
+    says: about ten times the outliers in V, and key means spread twice as wide."""
+    made = {name: synthetic_preset("llama-3.2-3b", 16, 4096, seed=3, **knobs) for name, knobs in FAMILIES.items()}
+    hits = {name: int((np.abs(d.v.astype(np.float32)) >= 12).sum()) for name, d in made.items()}
+    spread = {name: float(d.k.astype(np.float64).mean(axis=0).std()) for name, d in made.items()}
+    assert 7 < hits["outlier-heavy"] / hits["real-like"] < 14
+    assert 1.6 < spread["outlier-heavy"] / spread["real-like"] < 2.4
 
 
 @pytest.mark.parametrize(

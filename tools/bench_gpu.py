@@ -21,6 +21,7 @@ warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apa_emu.config import Config  # noqa: E402
-from apa_emu.study.synth import synthetic_preset  # noqa: E402
+from apa_emu.study.synth import FAMILIES, synthetic_preset  # noqa: E402
 from apa_gpu.plan import SEGMENT_TILES  # noqa: E402
 
 
@@ -57,16 +58,30 @@ def _time(fn, reps, warmup=2):
     return float(np.median(times))
 
 
-def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
+def _plan(q, k, v, q_offset, cfg, schedule="separate", window=None):
+    """A Plan for one batch entry and its inputs on the device."""
     import cupy as cp
 
     from apa_emu.geometry import Shape
     from apa_gpu.plan import Plan
 
-    qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=q_offset, window=window), cfg, schedule=schedule)
+    return plan, *(cp.asarray(x)[None] for x in (q, k, v))
+
+
+def kernel_times(q, k, v, q_offset, cfg, reps):
+    """Median ms of each launch of prep and of attention (separate launches), by kernel name."""
+    plan, qd, kd, vd = _plan(q, k, v, q_offset, cfg)
+    times = launch_times(plan, lambda: plan.prep(qd, kd, vd), reps)
+    return times | launch_times(plan, lambda: plan.attend(qd), reps)
+
+
+def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
+    import cupy as cp
+
+    plan, qd, kd, vd = _plan(q, k, v, q_offset, cfg, schedule, window)
     t_prep = _time(lambda: plan.prep(qd, kd, vd), reps)
     plan.prep(qd, kd, vd)
     t_attn = _time(lambda: plan.attend(qd), reps)
@@ -76,8 +91,9 @@ def bench_apa(q, k, v, q_offset, cfg, reps, schedule="separate", window=None):
     return t_prep, t_attn, share
 
 
-def prep_kernel_times(plan, qd, kd, vd, pages, reps):
-    """Median ms of each prep kernel launch (CUDA events around each launch of ``plan.prep``)."""
+def launch_times(plan, call, reps):
+    """Median ms of each kernel launch of ``call()`` (a Plan method), by kernel name, CUDA events around
+    each launch."""
     import cupy as cp
 
     launch, runs = plan._launch, []
@@ -93,7 +109,7 @@ def prep_kernel_times(plan, qd, kd, vd, pages, reps):
     try:
         for _ in range(reps + 1):
             runs.append([])
-            plan.prep(qd, kd, vd, pages)
+            call()
         cp.cuda.get_current_stream().synchronize()
     finally:
         plan._launch = launch
@@ -160,7 +176,7 @@ def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
     for (kd, vd), pages in runs.values():
         plan = Plan(shape, cfg)
         times += [_time(lambda: plan.prep(qd, kd, vd, pages), reps)]
-        kernels.append(prep_kernel_times(plan, qd, kd, vd, pages, reps))
+        kernels.append(launch_times(plan, lambda: plan.prep(qd, kd, vd, pages), reps))
         plan.prep(qd, kd, vd, pages)
         times += [_time(lambda: plan.attend(qd), reps)]
         outs.append(plan.out.get())
@@ -411,6 +427,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bounded", type=int, nargs="*", metavar="TILES", help="also time the bounded schedule "
                     "(numerics.md §6.7) with segments of each TILES tiles (default apa_gpu.plan.SEGMENT_TILES) "
                     "against the separate launches, and report the device bytes per KV head of each")
+    ap.add_argument("--kernels", action="store_true", help="also time each kernel launch of prep and attention "
+                    "(separate launches), bit-exact and fast")
+    ap.add_argument("--family", nargs="+", default=[next(iter(FAMILIES))], choices=list(FAMILIES),
+                    help="synthetic input families (apa_emu.study.synth.FAMILIES), default the first")
     ap.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config toggles for every APA column, e.g. hot_test=output (the fast columns add exp2=fast)")
     ap.add_argument("--out", type=Path)
@@ -427,16 +447,16 @@ def main(argv=None) -> int:
         "",
         "attn = pass 1 + pass 2 + merge after prep; 'sep' three launches, 'fused' one persistent launch.",
         "",
-        "| keys | hot share | prep | attn exact sep | attn exact fused | attn fast sep | attn fast fused "
+        "| family | keys | hot share | prep | attn exact sep | attn exact fused | attn fast sep | attn fast fused "
         "| SDPA flash | SDPA cuDNN | exact/flash | fast/flash | cuDNN direct | cuDNN TFLOP/s | exact+prep / cuDNN "
         "| fast+prep / cuDNN | APA fast+prep TFLOP/s | fast+prep / ((1+h)·cuDNN) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    windows, paged, chunked, bounded = [], [], [], []
-    for S in args.keys:
+    windows, paged, chunked, bounded, kernels = [], [], [], [], []
+    for family, S in itertools.product(args.family, args.keys):
         t0 = time.time()
-        dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed)
+        dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed, **FAMILIES[family])
         q, k, v = (np.ascontiguousarray(x) for x in (dump.q, dump.k, dump.v))
         exact_cfg, fast_cfg = base_cfg, base_cfg.replace(exp2="fast")
         prep, exact, share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps)
@@ -451,13 +471,21 @@ def main(argv=None) -> int:
         scale = exact_cfg.softmax_scale(q.shape[2])
         cu, cu_detail = (float("nan"), "skipped") if args.no_cudnn else bench_cudnn(q, k, v, scale, args.reps)
         tf = causal_flops(q.shape[0], S, q.shape[1], q.shape[2], dump.q_offset) / 1e9  # GFLOP: / ms = TFLOP/s
-        line = (f"| {S} | {share:.4f} | {prep:.3f} | {exact:.3f} | {exact_f:.3f} | {fast:.3f} | {fast_f:.3f} | "
+        line = (f"| {family} | {S} | {share:.4f} | {prep:.3f} | {exact:.3f} | {exact_f:.3f} | {fast:.3f} | {fast_f:.3f} | "
                 f"{fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} | {cu:.3f} | "
                 f"{tf / cu:.0f} | {(prep + best_exact) / cu:.2f} | {(prep + best_fast) / cu:.2f} | "
                 f"{tf / (prep + best_fast):.0f} | {(prep + best_fast) / ((1 + share) * cu):.2f} |")
         lines.append(line)
         print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]}; {cu_detail} -->",
               flush=True)
+        if args.kernels:
+            for build, cfg in (("exact", exact_cfg), ("fast", fast_cfg)):
+                kt = kernel_times(q, k, v, dump.q_offset, cfg, args.reps)
+                kernels.append(f"| {family} | {S} | {build} | {sum(kt.values()):.3f} | "
+                               + ", ".join(f"{n.removeprefix('apa_')} {t:.3f}" for n, t in kt.items()) + " |")
+                print(kernels[-1], flush=True)
+        if family != args.family[0]:  # the comparisons below run on the first family
+            continue
         if args.window:
             w_prep, w_exact, w_share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, window=args.window)
             _, w_fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps, window=args.window)
@@ -494,6 +522,9 @@ def main(argv=None) -> int:
                   "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
         print("\n".join(lines[-3:]), flush=True)
+    if kernels:
+        lines += ["", "Each kernel launch of prep and attention (separate launches), ms:", "",
+                  "| family | keys | build | sum | launches |", "|---|---:|---|---:|---|", *kernels]
     if bounded:
         lines += ["", "The bounded schedule (numerics.md §6.7) against the separate launches, bit-exact build, whole "
                   "runs (prep + attention), outputs bitwise equal; device memory the plan holds beyond the inputs, "
