@@ -1,0 +1,23 @@
+"""tools/mutants.py stays applicable: every planted bug's text occurs exactly once in its file, so a
+refactor that moves the code fails here, in CI, instead of when someone next runs the mutants."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import mutants  # noqa: E402
+
+
+@pytest.mark.parametrize("m", mutants.MUTANTS, ids=lambda m: m.id)
+def test_mutant_applies_once(m):
+    text = (ROOT / m.file).read_text()
+    assert text.count(m.old) == 1, f"{m.id}: {m.old!r} occurs {text.count(m.old)} times in {m.file}"
+    assert m.new != m.old
+    for t in m.tests:
+        assert (ROOT / t.split("::")[0]).exists(), f"{m.id}: no test file {t}"
