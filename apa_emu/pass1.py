@@ -303,7 +303,7 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
             trace.lv[visit, r] = st.lv[r]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # vg ⊘ lc is IEEE: +inf for lc = 0 (every cold P̂ zero), as in the kernel
 def p1_export(st, valid, mode, Kf, out):
     """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row; under ``direct_store``
     a warp with no hot tile exports part = o ⊗ (vg ⊘ lc), §9.5's direct output."""

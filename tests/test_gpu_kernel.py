@@ -77,6 +77,8 @@ def test_seed_preset_matches_emulator():
     @SETTINGS
     @given(problems(), st.sampled_from([0.005, 0.02, 0.3, 1e9]), schedules())
     @example((dict(seed=1, B=1, n=37, Hkv=2, G=3, d=64, S=300, structure="sink", batched=False), 263), 0.02, {})
+    @example(  # direct stores with lc = 0 (scores past the FP16 range): vg ⊘ lc = +inf on both sides
+        (dict(seed=79512769, B=2, n=33, Hkv=1, G=3, d=128, S=183, structure="extreme", batched=True), 150), 0.005, {})
     def prop(problem, eps, sched):
         shape, q_offset = problem
         q, k, v = make_inputs(**shape)

@@ -234,6 +234,20 @@ def test_direct_store_by_hand():
     assert float(merged[0, 0]) == 1.0
 
 
+def test_direct_store_of_a_zero_cold_sum_is_ieee():
+    """lc = +0 (every cold P̂ of the row rounded to zero: scores past the FP16 range) under the direct store:
+    vg ⊘ lc = +inf, so o = 0 exports NaN and o = −3 exports −inf, as the kernel's division does; the
+    emulator once raised ZeroDivisionError here (found by the preset's gpu property on the H200)."""
+    Kf = Config().pass1_consts().Kf
+    st = P1State(np.zeros(16, F32), np.zeros(16, F32), np.zeros(16, F32), np.zeros(16, F32),
+                 np.zeros((16, 2), F32), np.zeros(16, F32))
+    st.o[:, 1] = -3
+    out = P1Out.new(2, 1)
+    p1_export(st, np.ones(16, bool), P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, True,
+                                            F32(1)), Kf, out)
+    assert np.isnan(out.part[:, 0]).all() and (out.part[:, 1] == -np.inf).all() and (out.l1 == 0).all()
+
+
 def test_direct_store_only_without_hot_tiles():
     """``direct_store`` end to end: under pure FP4 (no tile hot) it moves some outputs by one FP16 ulp
     (the merge's extra rounding, §9.5); with hot tiles (ε = 0.05: tile 0 is hot in every warp) it
