@@ -242,7 +242,7 @@ class Plan:
         p = dict(self._prep_params, span=self._span(lo, hi, first))
         tiles = hi - lo
         self._launch("apa_prep_k", (cdiv(tiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_v", (cdiv(tiles * 4 * s.d, PREP_THREADS), *bhd), PREP_THREADS, p)
+        self._launch("apa_prep_v", (cdiv(tiles * 4 * (s.d // 8), PREP_THREADS), *bhd), PREP_THREADS, p)
         self._launch("apa_prep_cert", (tiles, *bhd), self.layout.cert_threads, p)
 
     def segments(self) -> list[tuple[int, int]]:

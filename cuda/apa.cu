@@ -82,7 +82,8 @@ struct FusedParams {
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_stats, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz, blockIdx.z));
+    __shared__ long long red[D], rows[KEYS_PER_CHUNK];  // once, not per layout instantiation
+    APA_BY_LAYOUT(prep_stats, red, rows, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz, blockIdx.z));
 }
 
 extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_constant__ PrepParams p) {

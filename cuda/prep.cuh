@@ -60,31 +60,41 @@ __device__ __forceinline__ PrepThread prep_thread(const Geom& g, long long base 
 }
 
 // §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
-// grid (ceil(S / KEYS_PER_CHUNK), Hkv, B), block 256. Thread t: channel t % D, keys
-// chunk*KEYS_PER_CHUNK + t / D + j * (256 / D). Integer sums and maxima are order-free.
+// grid (ceil(S / KEYS_PER_CHUNK), Hkv, B), block 256. Thread t: channels c0 = 8 (t % (D/8)) .. c0 + 7 as one
+// 16-byte load per key, keys chunk*KEYS_PER_CHUNK + t / (D/8) + j * (256 / (D/8)). Integer sums and maxima
+// are order-free, so the block sums its channels in shared memory before one global atomic each.
 constexpr int STATS_THREADS = 256;
 constexpr int KEYS_PER_CHUNK = 256;
 template <bool PAGED>
-__device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
-                                           unsigned long long* __restrict__ ksum, unsigned int* __restrict__ amax,
-                                           const KvPages& pg, const Geom& g) {
+__device__ __forceinline__ void prep_stats(long long* red, long long* rows, const uint16_t* __restrict__ k,
+                                           const uint16_t* __restrict__ v, unsigned long long* __restrict__ ksum,
+                                           unsigned int* __restrict__ amax, const KvPages& pg, const Geom& g) {
+    constexpr int NO = D / 8;  // channel octets
     const int b = blockIdx.z, hk = blockIdx.y, chunk = blockIdx.x;
-    const int c = threadIdx.x % D;
-    const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / D;
+    const int c0 = 8 * (threadIdx.x % NO);
+    const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / NO;
     const int s1 = min(g.S, (chunk + 1) * KEYS_PER_CHUNK);
-    __shared__ long long rows[KEYS_PER_CHUNK];
     kv_rows<PAGED>(rows, pg, g, b, hk, chunk * KEYS_PER_CHUNK, KEYS_PER_CHUNK);
+    for (int c = threadIdx.x; c < D; c += STATS_THREADS) red[c] = 0;
     __syncthreads();
-    long long sum = 0;
+    long long sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float ak = 0.0f, av = 0.0f;
-    for (int s = s0; s < s1; s += STATS_THREADS / D) {
+    for (int s = s0; s < s1; s += STATS_THREADS / NO) {
         const long long row = rows[s - chunk * KEYS_PER_CHUNK];
-        const uint16_t kb = kv_at<PAGED>(k, row, c), vb = kv_at<PAGED>(v, row, c);
-        sum += f16_units(kb);
-        ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
-        av = fmaxf(av, fabsf(f32h(h_from_bits(vb))));
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        const uint4 kw = PAGED && row < 0 ? zero : *reinterpret_cast<const uint4*>(k + row + c0);
+        const uint4 vw = PAGED && row < 0 ? zero : *reinterpret_cast<const uint4*>(v + row + c0);
+        const uint32_t kk[4] = {kw.x, kw.y, kw.z, kw.w}, vv[4] = {vw.x, vw.y, vw.z, vw.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint16_t kb = (uint16_t)(kk[j / 2] >> (16 * (j % 2))), vb = (uint16_t)(vv[j / 2] >> (16 * (j % 2)));
+            sum[j] += f16_units(kb);
+            ak = fmaxf(ak, fabsf(f32h(h_from_bits(kb))));
+            av = fmaxf(av, fabsf(f32h(h_from_bits(vb))));
+        }
     }
-    atomicAdd(&ksum[((size_t)b * g.Hkv + hk) * D + c], (unsigned long long)sum);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) atomicAdd(reinterpret_cast<unsigned long long*>(&red[c0 + j]), (unsigned long long)sum[j]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         ak = fmaxf(ak, __shfl_xor_sync(0xFFFFFFFFu, ak, o));
@@ -94,6 +104,9 @@ __device__ __forceinline__ void prep_stats(const uint16_t* __restrict__ k, const
         atomicMax(&amax[((size_t)b * g.Hkv + hk) * 2 + 0], __float_as_uint(ak));
         atomicMax(&amax[((size_t)b * g.Hkv + hk) * 2 + 1], __float_as_uint(av));
     }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += STATS_THREADS)
+        atomicAdd(&ksum[((size_t)b * g.Hkv + hk) * D + c], (unsigned long long)red[c]);
 }
 
 // up2 (numerics.md §5.2): the next power of two above x unless x is one (x positive, normal).
@@ -178,59 +191,52 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb + 8, TILE)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per
-// (tile, group, channel): grid (ceil((span.hi-span.lo)*4*D / 128), Hkv, B), block 128.
+// §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per (tile, group,
+// 8 channels): it loads its 16 keys' 8 channels as 16-byte rows (a warp reads 512 contiguous bytes per
+// load where one thread per channel issued 2-byte loads) and quantizes each channel's 16 values as one
+// block: grid (ceil((span.hi-span.lo)*4*D/8 / 128), Hkv, B), block 128.
 template <bool PAGED>
 __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, const TileSpan& span,
                                        bool quant, bool lsq, bool interleaved, bool v_f16) {
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * 4 * D);
-    if (idx >= (long long)min(span.hi, g.ntkv) * 4 * D) return;
-    const int c = (int)(idx % D);
-    const int grp = (int)((idx / D) % 4);
-    const int t = (int)(idx / (4 * D));
+    constexpr int NO = D / 8;  // channel octets
+    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * 4 * NO);
+    if (idx >= (long long)min(span.hi, g.ntkv) * 4 * NO) return;
+    const int c0 = 8 * (int)(idx % NO);
+    const int grp = (int)((idx / NO) % 4);
+    const int t = (int)(idx / (4 * NO));
     if (t < g.first_tile(0)) return;  // below every window (§5.5): never read
-    // The block's 128 threads share the tile t (4·D is a multiple of 128), so both returns above
-    // are the whole block's.
-    __shared__ long long rows[TILE];
-    kv_rows<PAGED>(rows, pg, g, b, hk, t * TILE, TILE);
-    __syncthreads();
     const float inv = fdiv(1.0f, scales[bh * 2 + 1]);  // exact power of two
-    float x[16];
-    bool any = false;
+    uint4 raw[16];
+    bool in[16], any = false;  // key < S; a hole inside S reads as zeros and counts
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-        const int kk = slot_key(16 * grp + i, interleaved);
-        if (t * TILE + kk < g.S) {
-            x[i] = fmul(f32h(h_from_bits(kv_at<PAGED>(v, rows[kk], c))), inv);
-            if (v_f16) x[i] = f32h(f16(x[i]));  // the seed's f16(v/vg) (§5.5)
-            any = true;
-        } else {
-            x[i] = 0.0f;
-        }
+        const int key = t * TILE + slot_key(16 * grp + i, interleaved);
+        in[i] = key < g.S;
+        any |= in[i];
+        const long long row = in[i] ? kv_row<PAGED>(pg, g, b, key, hk) : -1;
+        raw[i] = row >= 0 ? *reinterpret_cast<const uint4*>(v + row + c0) : make_uint4(0u, 0u, 0u, 0u);
     }
-    uint16_t h[16];
-    if (quant && any) {
-        float qv[16];
-        quant16(x, qv, lsq);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-            h[i] = key < g.S ? h_bits(f16(qv[i])) : (uint16_t)0;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const int key = t * TILE + slot_key(16 * grp + i, interleaved);
-            h[i] = key < g.S ? h_bits(f16(x[i])) : (uint16_t)0;
-        }
-    }
-    uint32_t out[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
     uint16_t* img = vhat + (bh * span.stride + span.slot(t)) * TILE * D;
-    *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
-    *reinterpret_cast<uint4*>(img + sw128_half(c, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // channel c0 + j
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint32_t w = j < 2 ? raw[i].x : j < 4 ? raw[i].y : j < 6 ? raw[i].z : raw[i].w;
+            x[i] = in[i] ? fmul(f32h(h_from_bits((uint16_t)(w >> (16 * (j % 2))))), inv) : 0.0f;
+            if (v_f16) x[i] = f32h(f16(x[i]));  // the seed's f16(v/vg) (§5.5)
+        }
+        const bool qz = quant && any;
+        float qv[16];
+        if (qz) quant16(x, qv, lsq);
+        uint32_t out[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            out[i] = f16x2(in[2 * i] ? (qz ? qv[2 * i] : x[2 * i]) : 0.0f, in[2 * i + 1] ? (qz ? qv[2 * i + 1] : x[2 * i + 1]) : 0.0f);
+        *reinterpret_cast<uint4*>(img + sw128_half(c0 + j, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(img + sw128_half(c0 + j, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
+    }
 }
 
 // §5.3 Q̂ (as FP16, §5.6), c_q and the row shift sh. D/16 threads per packed row (one per
