@@ -6,12 +6,13 @@ For each key count: prep time and attention time (pass 1 + pass 2 + merge) of th
 TFLOP/s, the ratios to it with prep included and to the (1 + hot share) × cuDNN floor, and torch SDPA
 with the flash and cuDNN backends (lower-right causal, GQA) on the same inputs, all in one run. cuDNN
 direct needs the ``nvidia-cudnn-frontend`` and ``apache-tvm-ffi`` wheels (``--no-cudnn`` skips it). Inputs are the
-synthetic Llama-3.2-3B-shaped problems of ``apa_emu.study.synth`` (real-like: sink, RoPE locality,
-diffuse heads, channel offsets, outliers). Times are medians of ``--reps`` CUDA-event timings after
-warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to ``--out`` if given).
+synthetic Llama-3.2-3B-shaped problems of ``apa_emu.study.synth`` (sink, RoPE locality, diffuse heads,
+channel offsets, outliers), in the families of ``synth.FAMILIES`` (``--family``). Times are medians of
+``--reps`` CUDA-event timings after warm-up, each preceded by an L2 flush. Prints a markdown table (and writes it to ``--out`` if given).
 
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
+    python tools/bench_gpu.py --keys 32768 65536 122880 --family real-like outlier-heavy --kernels   # issue 15's table
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
     python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
     python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --chunk 256   # a frozen chunk vs a fresh call
