@@ -223,60 +223,36 @@ __device__ __forceinline__ uint32_t f16x2(float lo, float hi) {
 __device__ __forceinline__ __half h2_lo(uint32_t u) { return h_from_bits((uint16_t)(u & 0xFFFFu)); }
 __device__ __forceinline__ __half h2_hi(uint32_t u) { return h_from_bits((uint16_t)(u >> 16)); }
 // Elementwise binary16 operations on packed pairs, one rounding each: the scalar operations above,
-// two per instruction (mul/sub/add/fma.rn.f16x2; min/max.f16x2 return the other operand of a NaN).
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+// two per instruction (mul/sub/add/fma.rn.f16x2; min/max.f16x2 return the other operand of a NaN). The
+// simulator applies the scalar operation to each half.
 #ifdef APA_SIM
-    return pack_h2(hmul(h2_lo(a), h2_lo(b)), hmul(h2_hi(a), h2_hi(b)));
+__device__ __forceinline__ __half sim_hadd(__half a, __half b) { return hsub(a, h_from_bits(h_bits(b) ^ 0x8000u)); }
+__device__ __forceinline__ __half sim_hmin(__half a, __half b) { return f32h(a) != f32h(a) || f32h(b) < f32h(a) ? b : a; }
+__device__ __forceinline__ __half sim_hmax(__half a, __half b) { return f32h(a) != f32h(a) || f32h(b) > f32h(a) ? b : a; }
+#define APA_H2_OP(name, ptx, scalar)                                            \
+    __device__ __forceinline__ uint32_t name(uint32_t a, uint32_t b) {          \
+        return pack_h2(scalar(h2_lo(a), h2_lo(b)), scalar(h2_hi(a), h2_hi(b))); \
+    }
 #else
-    uint32_t r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
+#define APA_H2_OP(name, ptx, scalar)                                   \
+    __device__ __forceinline__ uint32_t name(uint32_t a, uint32_t b) { \
+        uint32_t r;                                                    \
+        asm(ptx " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));            \
+        return r;                                                      \
+    }
 #endif
-}
-__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
-#ifdef APA_SIM
-    return pack_h2(hsub(h2_lo(a), h2_lo(b)), hsub(h2_hi(a), h2_hi(b)));
-#else
-    uint32_t r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-#endif
-}
-__device__ __forceinline__ uint32_t hadd2(uint32_t a, uint32_t b) {
-#ifdef APA_SIM
-    return hsub2(a, b ^ 0x80008000u);  // x + y = x − (−y), one rounding
-#else
-    uint32_t r;
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-#endif
-}
+APA_H2_OP(hmul2, "mul.rn.f16x2", hmul)
+APA_H2_OP(hsub2, "sub.rn.f16x2", hsub)
+APA_H2_OP(hadd2, "add.rn.f16x2", sim_hadd)
+APA_H2_OP(hmin2, "min.f16x2", sim_hmin)
+APA_H2_OP(hmax2, "max.f16x2", sim_hmax)
+#undef APA_H2_OP
 __device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
 #ifdef APA_SIM
     return pack_h2(hfma(h2_lo(a), h2_lo(b), h2_lo(c)), hfma(h2_hi(a), h2_hi(b), h2_hi(c)));
 #else
     uint32_t r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-#endif
-}
-__device__ __forceinline__ uint32_t hmin2(uint32_t a, uint32_t b) {
-#ifdef APA_SIM
-    auto m = [](__half x, __half y) { return f32h(x) != f32h(x) || f32h(y) < f32h(x) ? y : x; };
-    return pack_h2(m(h2_lo(a), h2_lo(b)), m(h2_hi(a), h2_hi(b)));
-#else
-    uint32_t r;
-    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-#endif
-}
-__device__ __forceinline__ uint32_t hmax2(uint32_t a, uint32_t b) {
-#ifdef APA_SIM
-    auto m = [](__half x, __half y) { return f32h(x) != f32h(x) || f32h(y) > f32h(x) ? y : x; };
-    return pack_h2(m(h2_lo(a), h2_lo(b)), m(h2_hi(a), h2_hi(b)));
-#else
-    uint32_t r;
-    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 #endif
 }
