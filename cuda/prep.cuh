@@ -34,10 +34,6 @@ __device__ __forceinline__ float nrm_end(float ss) {
     return fmul(fsqrt(fadd(ss, f32_from_bits(0x00800000u))), f32_from_bits(0x3F802000u));
 }
 
-template <bool PAGED>
-__device__ __forceinline__ uint16_t kv_at(const uint16_t* __restrict__ x, long long row, int c) {
-    return PAGED && row < 0 ? (uint16_t)0 : x[row + c];
-}
 // The block's threads set rows[i] = kv_row of key key0 + i (−1 past S) for i < n: one table lookup
 // per key and block, where the steps below read each key's row many times. The caller syncs.
 template <bool PAGED>
