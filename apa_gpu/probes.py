@@ -12,6 +12,7 @@ from .params import F32, I32, I64, PTR, Struct
 _MMA_FIELDS = [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR), ("ntiles", I32)]
 MMA_F32 = Struct("ProbeMmaF32Params", _MMA_FIELDS)
 MMA_F16 = Struct("ProbeMmaF16Params", _MMA_FIELDS)
+WGMMA = Struct("ProbeWgmmaParams", [("A", PTR), ("B", PTR), ("D0", PTR), ("D1", PTR)])
 EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode", I32)])
 CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
 QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("q", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
@@ -22,7 +23,8 @@ PSCALE = Struct("ProbePscaleParams", [("gm", PTR), ("cq", PTR), ("c", PTR), ("sc
 MERGE = Struct("ProbeMergeParams", [("m1", PTR), ("l1", PTR), ("part", PTR), ("m2", PTR), ("l2", PTR), ("o2", PTR),
                                     ("out", PTR), ("count", I64), ("fma", I32)])
 # cuda/probe.cu's entry points and the struct each takes.
-KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_exp2": EXP2,
+KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_wgmma": WGMMA,
+           "apa_probe_exp2": EXP2,
            "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES,
            "apa_probe_pscale": PSCALE, "apa_probe_merge": MERGE}
 
@@ -47,6 +49,18 @@ def run_probe_mma(A, B, C, f16_out: bool):
     _run("apa_probe_mma_f16" if f16_out else "apa_probe_mma_f32", -(-T // 4), 128, dict(A=Ad, B=Bd, C=Cd, D=D, ntiles=T))
     d = xp.asnumpy(D)
     return d.view(np.float16) if f16_out else d
+
+
+def run_probe_wgmma(A, B):
+    """wgmma m64n64k16 on the GPU for tiles A [T,64,16], B [T,64,16] (B[n][k]; binary16 bits or
+    float16): (D from scale-d = 0, D from C = +0), each [T,64,64] float32."""
+    xp = device.backend().xp
+    Ad = xp.asarray(np.ascontiguousarray(A).view(np.uint16))
+    Bd = xp.asarray(np.ascontiguousarray(B).view(np.uint16))
+    T = Ad.shape[0]
+    D0, D1 = xp.empty((T, 64, 64), np.float32), xp.empty((T, 64, 64), np.float32)
+    _run("apa_probe_wgmma", T, 128, dict(A=Ad, B=Bd, D0=D0, D1=D1))
+    return xp.asnumpy(D0), xp.asnumpy(D1)
 
 
 def run_probe_exp2(x, variant: str = "soft"):

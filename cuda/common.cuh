@@ -88,7 +88,7 @@ struct Geom {
         ntkv = (S + TILE - 1) / TILE;
         W = (ntkv + 31) / 32;
     }
-    // Whether CTA qb (12 warps) has a warp of this entry: a shorter varlen sequence has fewer.
+    // Whether CTA qb (WARPS warps) has a warp of this entry: a shorter varlen sequence has fewer.
     __device__ __forceinline__ bool has_cta(int qb) const { return qb * WARPS < nw; }
     // Key limit of packed row r (§6.1): min(q_offset + r div G, S - 1). 64-bit safe.
     __device__ __forceinline__ int lim(int r) const {

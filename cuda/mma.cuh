@@ -96,8 +96,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // Shared-memory operands are K-major images with the 128-byte swizzle: rows of 64 halves
 // (128 bytes), 8-row groups 1024 bytes apart, 16-byte chunk c of row r stored at chunk c ^ (r & 7),
 // every further 64 channels in a block of its own after all rows. A k16 step starts 32 bytes
-// further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1):
-// scale-d = 0 is not verified to equal C = +0 (mma_models.md §3).
+// further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1). On the
+// H200 scale-d = 0 equals C = +0 (mma_models.md §3; tests/test_gpu_mma.py test_wgmma_scale_d_zero),
+// but the kernels do not use it: without the moves that zero C, ptxas serializes pass 1's wgmma
+// (C7515; docs/benchmarks.md, issue 15's mainloop experiments).
 // ---------------------------------------------------------------------------------------------
 
 // Half offset of element (r, c) in an image of R rows (K-major, channels or keys c).
@@ -173,9 +175,12 @@ __device__ __forceinline__ void wg_wait() {
 #endif
 }
 
-// acc += A.B over one k16 step, A and B (64 keys) from images: the scores of pass 1.
-__device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], WgOperand a, WgOperand b) {
+// acc = (accumulate ? acc : +0) + A.B over one k16 step, A and B (64 keys) from images: the scores of
+// pass 1. accumulate false is the instruction's scale-d = 0.
+__device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], WgOperand a, WgOperand b, bool accumulate = true) {
 #ifdef APA_SIM
+    if (!accumulate)
+        for (auto& nt : acc) nt[0] = nt[1] = nt[2] = nt[3] = 0.0f;
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3, m = 16 * ((threadIdx.x >> 5) & 3) + g;
     const uint32_t af[4] = {wg_pair(a, m, 2 * t0), wg_pair(a, m + 8, 2 * t0), wg_pair(a, m, 2 * t0 + 8),
                             wg_pair(a, m + 8, 2 * t0 + 8)};
@@ -195,7 +200,7 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&acc)[8][4], WgOperand a, Wg
           "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
           "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
           "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3])
-        : "l"(a.d), "l"(b.d), "r"(1));
+        : "l"(a.d), "l"(b.d), "r"(accumulate ? 1 : 0));
 #endif
 }
 

@@ -1,4 +1,4 @@
-// pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of 12 warps (§6.2).
+// pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of WARPS warps (§6.2).
 //
 // Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
 // ("hi") of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as the f32
@@ -307,7 +307,7 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
     }
 }
 
-// One CTA's work item of pass 1: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see TileRing::reset.
+// One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
 template <bool SEGMENT>
 __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
                                           int qb, bool fresh) {

@@ -307,7 +307,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
 
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
 // fused launch another CTA wrote it, behind the ready flag's release/acquire.
-// One CTA's work item of pass 2 and the merge: warps 12 qb .. 12 qb + 11 of (b, hk). fresh: see
+// One CTA's work item of pass 2 and the merge: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see
 // TileRing::reset.
 __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
                                           int qb, bool fresh) {

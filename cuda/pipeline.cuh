@@ -1,7 +1,7 @@
 // pipeline.cuh: the shared-memory tile ring of the pass-1 and pass-2 mainloops (scheduling only:
 // docs/numerics.md §6.2 — no arithmetic depends on it).
 //
-// Why not one __syncthreads per tile: it keeps the 12 warps of a CTA in lockstep, so all of them
+// Why not one __syncthreads per tile: it keeps the warps of a CTA in lockstep, so all of them
 // are in the MMA phase (tensor cores busy, ALU idle) or in the softmax/quantization phase (the
 // reverse) at the same time. With a ring of NS stages and per-stage mbarriers a warp may run up to
 // NS - 1 tiles ahead of the slowest one, and the scheduler overlaps one warp's MMAs with another's
@@ -13,7 +13,7 @@
 //            (prep.cuh), in pass 2 tensor copies of K and V from the inputs. Paged K and V: 32
 //            arrivals, each lane of the loading warp's once its cp.async copies of rows have landed.
 //   done[s]  release counter: every warp adds 1 (acq_rel) after its last read of the stage; the
-//            warp that brings it to 12 (i / NS + 1) is the last reader, and loads tile i + NS there.
+//            warp that brings it to WARPS (i / NS + 1) is the last reader, and loads tile i + NS there.
 // Counters only grow (no reset to race with), and every warp waits on every tile of the sequence,
 // computing or not, so each phase completes exactly once per use.
 #pragma once

@@ -1,5 +1,6 @@
 // probe.cu: single-instruction and single-primitive kernels for the GPU tests
-// (tests/test_gpu_mma.py, tests/test_gpu_formats.py): the m16n8k16 MMAs of the sm90 model
+// (tests/test_gpu_mma.py, tests/test_gpu_formats.py): the m16n8k16 MMAs of the sm90 model and wgmma's
+// scale-d = 0
 // (numerics.md §3.1; research/mma_models.md §8) and the arithmetic primitives of fpmath.cuh and
 // formats.cuh, so that each can be compared bitwise with the emulator in isolation; and two of the
 // seed's FMA sites (§1.8) on chosen operands: §7.4's P scale and §9.3–9.4's merge.
@@ -25,6 +26,15 @@ struct ProbeMmaParams {
 };
 using ProbeMmaF32Params = ProbeMmaParams<float>;
 using ProbeMmaF16Params = ProbeMmaParams<uint16_t>;
+
+// One wgmma m64n64k16 per tile (a CTA of one warpgroup): A [64][16] and B [64][16] (B[n][k]) as
+// binary16 bits; D0 [64][64] from scale-d = 0 over a NaN accumulator, D1 from an explicit C = +0.
+struct ProbeWgmmaParams {
+    const uint16_t* A;
+    const uint16_t* B;
+    float* D0;
+    float* D1;
+};
 
 struct ProbeExp2Params {
     const float* x;
@@ -124,6 +134,38 @@ extern "C" __global__ void apa_probe_mma_f16(const __grid_constant__ ProbeMmaF16
     d[(g + 8) * 8 + 2 * t0 + 1] = (uint16_t)(acc[1] >> 16);
 }
 
+// Whether scale-d = 0 starts a chain as C = +0 does (mma_models.md §3): pass 1's score chains rely on it.
+extern "C" __global__ void __launch_bounds__(128) apa_probe_wgmma(const __grid_constant__ ProbeWgmmaParams p) {
+    struct __align__(1024) Images {  // the 128-byte swizzle's period
+        uint16_t h[2][64 * 64];
+    };
+    __shared__ Images sm;
+    auto& img = sm.h;
+    const size_t tile = blockIdx.x;
+    for (int i = threadIdx.x; i < 64 * 64; i += 128) {
+        const int r = i / 64, c = i % 64;
+        img[0][sw128_half(r, c, 64)] = c < 16 ? p.A[(tile * 64 + r) * 16 + c] : 0;
+        img[1][sw128_half(r, c, 64)] = c < 16 ? p.B[(tile * 64 + r) * 16 + c] : 0;
+    }
+    fence_proxy_async();
+    __syncthreads();
+    float d0[8][4], d1[8][4];
+    for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) d0[nt][e] = __uint_as_float(0x7FC00001u), d1[nt][e] = 0.0f;
+    wg_fence();
+    wgmma_ss_n64(d0, wg_operand(img[0]), wg_operand(img[1]), false);
+    wgmma_ss_n64(d1, wg_operand(img[0]), wg_operand(img[1]), true);
+    wg_commit();
+    wg_wait<0>();
+    const int lane = threadIdx.x & 31, row = 16 * (threadIdx.x >> 5) + (lane >> 2), t0 = lane & 3;
+    for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) {
+            const size_t at = (tile * 64 + row + 8 * (e >> 1)) * 64 + 8 * nt + 2 * t0 + (e & 1);
+            p.D0[at] = d0[nt][e];
+            p.D1[at] = d1[nt][e];
+        }
+}
+
 // exp2s (mode 0), ex2.approx.ftz (mode 1), exp2s_core (mode 2, x in [0, 1)) or exp2s_nonpos (mode 3,
 // x ≤ 0) of every element.
 extern "C" __global__ void apa_probe_exp2(const __grid_constant__ ProbeExp2Params p) {
@@ -188,6 +230,8 @@ APA_PARAMS_LAYOUT(ProbeMmaF32Params, APA_FIELD(ProbeMmaF32Params, A), APA_FIELD(
 APA_PARAMS_LAYOUT(ProbeMmaF16Params, APA_FIELD(ProbeMmaF16Params, A), APA_FIELD(ProbeMmaF16Params, B),
                   APA_FIELD(ProbeMmaF16Params, C), APA_FIELD(ProbeMmaF16Params, D),
                   APA_FIELD(ProbeMmaF16Params, ntiles));
+APA_PARAMS_LAYOUT(ProbeWgmmaParams, APA_FIELD(ProbeWgmmaParams, A), APA_FIELD(ProbeWgmmaParams, B),
+                  APA_FIELD(ProbeWgmmaParams, D0), APA_FIELD(ProbeWgmmaParams, D1));
 APA_PARAMS_LAYOUT(ProbeExp2Params, APA_FIELD(ProbeExp2Params, x), APA_FIELD(ProbeExp2Params, y),
                   APA_FIELD(ProbeExp2Params, count), APA_FIELD(ProbeExp2Params, mode));
 APA_PARAMS_LAYOUT(ProbeCodesParams, APA_FIELD(ProbeCodesParams, x), APA_FIELD(ProbeCodesParams, e2m1),

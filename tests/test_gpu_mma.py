@@ -16,7 +16,7 @@ from numba import njit
 
 from apa_emu.mma import mma_sm90_f16, mma_sm90_f32
 
-from apa_gpu.probes import run_probe_mma
+from apa_gpu.probes import run_probe_mma, run_probe_wgmma
 
 # The simulator computes mma.sync with its own port of the emulator's model: only the device tells.
 pytestmark = [pytest.mark.gpu, pytest.mark.hardware]
@@ -215,3 +215,40 @@ def test_random_tiles(kind, frac, f16_out):
         A, B, C = _random_tiles(kind, n, f16_out, rng)
         assert_same(run_probe_mma(A, B, C, f16_out), emulate(A, B, C, f16_out),
                     f"{kind} tiles {start}..{start + n} ({'f16' if f16_out else 'f32'} accumulation)")
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma scale-d = 0 (mma_models.md §3): pass 1 starts its score chains with it
+# ---------------------------------------------------------------------------------------------
+
+
+def _wgmma_tiles(T, rng):
+    """Random bit patterns, sums of only −0 products, and exact cancellations to zero, a third each."""
+    A = rng.integers(0, 1 << 16, (T, 64, 16), dtype=np.uint16).view(np.float16)
+    B = rng.integers(0, 1 << 16, (T, 64, 16), dtype=np.uint16).view(np.float16)
+    z = slice(T // 3, 2 * T // 3)
+    A[z] = -np.abs(rng.standard_normal(A[z].shape)).astype(np.float16) - np.float16(2.0**-14)
+    B[z] = np.float16(0.0)
+    c = slice(2 * T // 3, T)
+    A[c, :, 1::2] = A[c, :, 0::2] = np.where(np.isfinite(A[c, :, 0::2]), A[c, :, 0::2], np.float16(1.0))
+    B[c] = np.where(np.isfinite(B[c]), B[c], np.float16(2.0))
+    B[c, :, 1::2] = -B[c, :, 0::2]
+    return A, B
+
+
+def test_wgmma_scale_d_zero():
+    """A wgmma k16 step with scale-d = 0 equals the same step from C = +0 bit for bit, and both equal
+    the sm90 model's step from C = +0, on random bits and on sums that are exactly zero: all −0
+    products (the model gives +0) and exact cancellations."""
+    rng = np.random.default_rng(4321)
+    T = max(3, N_RANDOM // 2048 * 3)
+    A, B = _wgmma_tiles(T, rng)
+    d0, d1 = run_probe_wgmma(A, B)
+    assert_same(d0, d1, "wgmma scale-d = 0 against C = +0")
+    # The model's step per output: m16n8k16 tiles over 16-row and 8-column blocks, C = +0.
+    At = A.reshape(T, 4, 1, 16, 16).repeat(8, 2).reshape(-1, 16, 16)
+    Bt = B.reshape(T, 1, 8, 8, 16).repeat(4, 1).reshape(-1, 8, 16)
+    emu = emulate(At, Bt, np.zeros((At.shape[0], 16, 8), np.float32), False)
+    emu = emu.reshape(T, 4, 8, 16, 8).transpose(0, 1, 3, 2, 4).reshape(T, 64, 64)
+    assert_same(d1, emu, "wgmma from C = +0 against the sm90 model")
+    assert (bits(d0[T // 3:]) == 0).all(), "sums of −0 products and exact cancellations must give +0"
