@@ -97,10 +97,11 @@ __device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, co
 // update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv. The
 // spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
 // there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other value unchanged.
+// alpha: exp2(m ⊖ x) as the caller already has it (read only when x ≠ m).
 template <int NDN>
-__device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&o)[NDN][4], int half) {
+__device__ __forceinline__ void p1_update_by(float x, float alpha, float& m, P1Sums& r, float (&o)[NDN][4],
+                                             int half) {
     if (x != m) {
-        const float alpha = exp2x<exp2s_nonpos>(fsub(m, x));
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
             o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
@@ -112,6 +113,10 @@ __device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&
         r.lv = fmul(r.lv, alpha);
         m = x;
     }
+}
+template <int NDN>
+__device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&o)[NDN][4], int half) {
+    if (x != m) p1_update_by(x, exp2x<exp2s_nonpos>(fsub(m, x)), m, r, o, half);
 }
 
 // §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima and the lazy frame vote: the
@@ -139,11 +144,13 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
 }
 
 // §7.7 hot test: a warp vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
-// (x, run) = (tl, la) for the mass test and (tv, lv) for the output test.
+// (x, run) = (tl, la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold
+// tile's update(c) rescales by the same value.
 __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
-                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused) {
-    const float a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
-    const float a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
+                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused,
+                                            float& a_lo, float& a_hi) {
+    a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
+    a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
     const bool hp_lo = wr.run_lo && x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused));
     const bool hp_hi = wr.run_hi && x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused));
     return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
@@ -161,12 +168,12 @@ __device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float
     r.lv = madd(tv, b, r.lv, fused);
 }
 
-// §7.8 cold branch for one row: frame c, la ⊕= tl, lv ⊕= tv, lc ⊕= tl, ad ⊕= the groups' a_g summed in
-// order (mass); the caller's P̂·V̂ adds to o.
+// §7.8 cold branch for one row: frame c (a = exp2(m ⊖ c) from the hot test), la ⊕= tl, lv ⊕= tv,
+// lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass); the caller's P̂·V̂ adds to o.
 template <int NDN>
-__device__ __forceinline__ void p1_cold_branch(float c, float tl, float tv, float mass, float& m, P1Sums& r,
-                                               float (&o)[NDN][4], int half) {
-    p1_update(c, m, r, o, half);
+__device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, float& m,
+                                               P1Sums& r, float (&o)[NDN][4], int half) {
+    p1_update_by(c, a, m, r, o, half);
     r.la = fadd(r.la, tl);
     r.lv = fadd(r.lv, tv);
     r.lc = fadd(r.lc, tl);
@@ -430,12 +437,19 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float gsel_hi = wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3];
             const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo, my_mass_lo);
             const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi, my_mass_hi);
-            uint32_t bw[4][2];  // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment)
+            // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment). The loads sit behind the
+            // launch-uniform output flag: as selects, the mass test issued them (predicated off) and
+            // their address arithmetic on every step, 4 % of pass 1's instructions.
+            uint32_t bw[4][2];
 #pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {
-                const uint16_t* nu_g = nu_lane ? nu_bh + a.span.slot(t) * TILE + 16 * gi : nullptr;
-                bw[gi][0] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g) : ONES_H2;
-                bw[gi][1] = nu_lane ? *reinterpret_cast<const uint32_t*>(nu_g + 8) : ONES_H2;
+            for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;
+            if (a.output && nu_lane) {
+                const uint16_t* nu_t = nu_bh + a.span.slot(t) * TILE;
+#pragma unroll
+                for (int gi = 0; gi < 4; ++gi) {
+                    bw[gi][0] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi);
+                    bw[gi][1] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi + 8);
+                }
             }
             float tl4[4];  // §7.6 tile row sums (and tv in tl4[1], tl4[3])
             // The element loop compiled per (quantized P', fused y): a run-time select there costs ~5 %.
@@ -449,9 +463,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             const float tl_lo = tl4[0], tl_hi = tl4[2];
             // Without the output test lv runs beside la on ones (tv = tl) and nothing reads it.
             const float tv_lo = tl4[1], tv_hi = tl4[3];
-            const bool hot = a.output
-                                 ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps, a.fma)
-                                 : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps, a.fma);
+            float a_lo, a_hi;
+            const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps,
+                                                    a.fma, a_lo, a_hi)
+                                      : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps,
+                                                    a.fma, a_lo, a_hi);
             if (hot) {
                 p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0, a.fma);
                 p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1, a.fma);
@@ -460,8 +476,8 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
                 const float mass_lo = p1_group_mass(my_mass_lo), mass_hi = p1_group_mass(my_mass_hi);
-                p1_cold_branch(c_lo, tl_lo, tv_lo, mass_lo, m_lo, r_lo, o, 0);
-                p1_cold_branch(c_hi, tl_hi, tv_hi, mass_hi, m_hi, r_hi, o, 1);
+                p1_cold_branch(c_lo, a_lo, tl_lo, tv_lo, mass_lo, m_lo, r_lo, o, 0);
+                p1_cold_branch(c_hi, a_hi, tl_hi, tv_hi, mass_hi, m_hi, r_hi, o, 1);
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
