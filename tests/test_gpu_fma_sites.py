@@ -56,6 +56,30 @@ def test_pscale_fusion_lifts_the_row_maximum_group():
     assert moved > 0, "no triple where the fusion moves the scale"
 
 
+def test_pscale_mass_at_ties_and_clamps():
+    """§7.4's a_g = min(dec(kb), 24 ⊗ exp2(u₀)): the kernel takes exp2s(u₀) as exp2s(x₀) ⊗ 2^floor(u₀),
+    x₀ = u₀ ⊖ floor(u₀), except at x₀ = 0.5 with an odd floor and outside [−125, 127), where it evaluates
+    exp2s(u₀). Bitwise against the emulator on u₀ = k + 0.5 (both parities, and where the two forms
+    differ), its neighbours, integers, clamped values, the range ends and −inf (a masked group)."""
+    k = Config().pass1_consts()
+    ties = np.arange(-24, 9, dtype=F32) + F32(0.5)
+    u0 = np.concatenate([ties, np.nextafter(ties, F32(-np.inf)), np.nextafter(ties, F32(np.inf)),
+                         np.arange(-24, 9, dtype=F32), F32([-124.75, -125, -125.5, -126.5, -200, -np.inf, -0.0,
+                                                            7.999999, 8])]).astype(F32)
+    # u₀ = gm ⊗ 1 ⊕ (A ⊖ A) = gm, fused or not.
+    gm, cq, c = u0, np.ones_like(u0), np.full_like(u0, k.A)
+    for fma in (False, True):
+        got = run_probe_pscale(gm, cq, c, k.A, k.L, False, fma)
+        want = _emulated_pscale(gm, cq, c, False, fma)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), fma
+    # The interesting case happened: an odd-floor tie where the two forms of exp2s(u₀) differ and a_g
+    # is the cap (u₀ < −6 − log2 24: above it a_g is dec(kb) whatever the cap's last bit).
+    odd = ties[(np.floor(ties).astype(int) % 2 == 1) & (ties < -11)]
+    split = [F32(fpmath.exp2(t, True)) != F32(fpmath.exp2(F32(0.5), True)) * F32(2.0 ** np.floor(t)) for t in odd]
+    assert any(split), "no odd-floor tie where exp2s(u₀) differs from exp2s(x₀)·2^floor(u₀)"
+
+
 # Two rows found by search (seed 1, 200000 random rows) whose FP16 output the fused numerator decides, in
 # channel 1 and in channel 0 (the kernel forms the two channels in two statements): m1 = −0.5 makes
 # w1 = exp2(−0.5) inexact, so w1 ⊗ part rounds where fma(w1, part, ·) does not. Binary32 bits.

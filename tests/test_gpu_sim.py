@@ -224,7 +224,7 @@ def test_fma_site_probes_on_simulator(tmp_path):
     env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_fma_sites.py"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0 and re.search(r"^2 passed", r.stdout, re.M), r.stdout + r.stderr
+    assert r.returncode == 0 and re.search(r"^3 passed", r.stdout, re.M), r.stdout + r.stderr
 
 
 def test_quant16_probe_on_simulator(tmp_path):

@@ -161,6 +161,8 @@ MUTANTS = [
            "p1_cold_branch(c_lo, a_lo, tl_lo", "p1_cold_branch(c_lo, a_hi, tl_lo", SIM),
     Mutant("K24", "kernel output test: ν never loaded into the row-sum MMA's odd columns", "cuda/pass1.cuh",
            "if (a.output && nu_lane) {", "if (!a.output && nu_lane) {", SIM),
+    Mutant("K25", "kernel §7.4 a_g: exp2s(u0) as exp2s(x0)·2^floor(u0) at odd-floor ties too", "cuda/pass1.cuh",
+           "u0 < 127.0f && !(x0 == 0.5f && ((int)f0 & 1));", "u0 < 127.0f;", FMA_PROBES),
     Mutant("M32", "p2_shift lanes: the lane sums added in a chain", "apa_emu/prep.py",
            "return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])", "return ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]",
            ("tests/test_seed_preset.py",)),
