@@ -31,6 +31,15 @@ def _emulated_pscale(gm, cq, c, pow2: bool, fma: bool):
             np.array([m for _, _, m in out], F32))
 
 
+def _pscale_matches(gm, cq, c, pow2: bool, fma: bool):
+    """The kernel's (dec(kb), bias, a_g) of each triple, asserted bitwise equal to the emulator's."""
+    k = Config().pass1_consts()
+    got = run_probe_pscale(gm, cq, c, k.A, k.L, pow2, fma)
+    for g, w in zip(got, _emulated_pscale(gm, cq, c, pow2, fma)):
+        assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (pow2, fma)
+    return got
+
+
 def test_pscale_fusion_lifts_the_row_maximum_group():
     """§7.4 by hand (tests/test_algorithm.py derives it): gm = 100, c_q = 1 + 2⁻²², c = gm ⊗ c_q. Unfused
     u = 4 exactly and the scale is 16; fused u = 4 + 2⁻²⁰ and the scale is 18. Then a spread of triples
@@ -47,11 +56,7 @@ def test_pscale_fusion_lifts_the_row_maximum_group():
     c = (gm * cq + rng.choice([0, 0, 0.5, 3, 11], n).astype(F32)).astype(F32)
     moved = 0
     for pow2 in (False, True):
-        got = {fma: run_probe_pscale(gm, cq, c, k.A, k.L, pow2, fma) for fma in (False, True)}
-        for fma in (False, True):
-            want = _emulated_pscale(gm, cq, c, pow2, fma)
-            for g, w in zip(got[fma], want):
-                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (pow2, fma)
+        got = {fma: _pscale_matches(gm, cq, c, pow2, fma) for fma in (False, True)}
         moved += int((got[False][0] != got[True][0]).sum())
     assert moved > 0, "no triple where the fusion moves the scale"
 
@@ -69,10 +74,7 @@ def test_pscale_mass_at_ties_and_clamps():
     # u₀ = gm ⊗ 1 ⊕ (A ⊖ A) = gm, fused or not.
     gm, cq, c = u0, np.ones_like(u0), np.full_like(u0, k.A)
     for fma in (False, True):
-        got = run_probe_pscale(gm, cq, c, k.A, k.L, False, fma)
-        want = _emulated_pscale(gm, cq, c, False, fma)
-        for g, w in zip(got, want):
-            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), fma
+        _pscale_matches(gm, cq, c, False, fma)
     # The interesting case happened: an odd-floor tie where the two forms of exp2s(u₀) differ and a_g
     # is the cap (u₀ < −6 − log2 24: above it a_g is dec(kb) whatever the cap's last bit).
     odd = ties[(np.floor(ties).astype(int) % 2 == 1) & (ties < -11)]
