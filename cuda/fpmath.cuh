@@ -102,11 +102,29 @@ __device__ __forceinline__ float exp2s_core(float x) {
     return fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
 }
 
+// binary32 multiply that flushes a subnormal result to a zero of its sign (and subnormal inputs,
+// which exp2s_nonpos never passes).
+__device__ __forceinline__ float fmul_ftz(float a, float b) {
+#ifdef APA_SIM
+    const float r = a * b;
+    return fabsf(r) < f32_from_bits(0x00800000u) ? copysignf(0.0f, r) : r;
+#else
+    float r;
+    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#endif
+}
+
 // exp2s on x ≤ 0 or NaN (frame rescales, pass-2 probabilities; an FP16 score overflow makes
-// inf - inf): steps 1 and 6 reduce to NaN → x and x < -126 → +0, as selects around the core.
+// inf - inf): steps 1 and 6 reduce to NaN → x, a select, and x < -126 → +0, which needs none: x is
+// clamped to -127, where j = -127 makes the scale 2^(j + 127)'s bits 0 (+0), and on [-126.5, -126)
+// j = -126 with p < 1 makes p ⊗ 2^j subnormal, which the flushing multiply returns as +0 (step 6).
+// From -126 up p ⊗ 2^j is normal (p ≥ 1 when j = -126): the flush never acts there.
 __device__ __forceinline__ float exp2s_nonpos(float x) {
-    const float r = exp2s_core(fmaxf(x, -126.0f));
-    return x != x ? x : x < -126.0f ? 0.0f : r;
+    int ji;
+    const float p = exp2s_poly(fmaxf(x, -127.0f), ji);
+    const float r = fmul_ftz(p, f32_from_bits((uint32_t)(ji + 127) << 23));
+    return x != x ? x : r;
 }
 
 // Hardware exp2 of the fast mode (numerics.md §2 "fast"): MUFU.EX2 with flush to zero.

@@ -94,17 +94,26 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             mma_f16_acc(s16[2 * np + 1], qa[ks], kb[2], kb[3]);
         }
     }
-    // x = (float(S) ⊗ qmul) ⊖ sh, -inf where key > lim.
+    // x = (float(S) ⊗ qmul) ⊖ sh, -inf where key > lim or key < lo: the selects only on the lanes
+    // whose rows the tile reaches past (a few tiles of each warp; ~100 instructions a tile).
     float x[8][4];  // [nt][lo e0, lo e1, hi e0, hi e1]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int key = t * TILE + 8 * nt + 2 * t0 + e;
-            const float slo = f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0]));
-            const float shi = f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1]));
-            x[nt][e] = key > wr.lim_lo || key < wr.lo_lo ? neg_inf() : madd(slo, qmul, -sh_lo, FUSED);
-            x[nt][2 + e] = key > wr.lim_hi || key < wr.lo_hi ? neg_inf() : madd(shi, qmul, -sh_hi, FUSED);
+            x[nt][e] = madd(f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0])), qmul, -sh_lo, FUSED);
+            x[nt][2 + e] = madd(f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1])), qmul, -sh_hi, FUSED);
+        }
+    }
+    if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = t * TILE + 8 * nt + 2 * t0 + e;
+                if (key > wr.lim_lo || key < wr.lo_lo) x[nt][e] = neg_inf();
+                if (key > wr.lim_hi || key < wr.lo_hi) x[nt][2 + e] = neg_inf();
+            }
         }
     }
     // §8.2 frame.
@@ -208,11 +217,17 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
     return Tmax + 1;
 }
 
-// Shared memory of pass 2: the tile ring, then the CTA's union of hot-mask words U[W] and each
-// warp's own words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
-constexpr int P2_STAGES = D == 256 ? 3 : 6;
-constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES>();
-constexpr int P2_SMEM_WORDS = 1 + WARPS;
+// Shared memory of pass 2: P2_SLICES tile rings of P2_STAGES stages, one per slice of consecutive
+// warps, then each slice's union of its warps' hot-mask words U[P2_SLICES][W] and each warp's own
+// words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
+// Three slices of 4 warps (D = 64, 128): at 122880 keys the busiest slice's union is 886 tiles
+// against the CTA's 1258 (outlier-heavy input), and pass 2 took 11 % less than with one ring of 6
+// stages, 5 % less than with two of 3 (docs/benchmarks.md).
+constexpr int P2_SLICES = D == 256 ? 1 : 3;
+constexpr int P2_STAGES = (D == 256 ? 3 : 6) / P2_SLICES;
+using Pass2Ring = TileRing<P2_STAGES, P2_SLICES>;
+constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES * P2_SLICES>();
+constexpr int P2_SMEM_WORDS = P2_SLICES + WARPS;
 
 // §8.6 end, §9 merge and §9.7 certificate of the warp's valid rows (every warp, with or without hot
 // tiles: §9.5), stored to out and bound and, in trace builds, to the row records (§10). Pass 1's ml and
@@ -314,16 +329,17 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     constexpr int NKS = D / 16;
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const WarpRows wr = warp_rows(geo, qb);
-    const int nwords = (wr.Tmax >> 5) + 1;
     uint32_t* hot_w = a.hot + (bh * geo.nw_buf + (wr.warp_active ? wr.w : 0)) * geo.W_buf;
-    TileRing<P2_STAGES> ring(smem);
+    const int slice = wr.wl / Pass2Ring::MEMBERS, sw = wr.wl % Pass2Ring::MEMBERS;  // slice, warp in it
+    Pass2Ring ring(smem, slice);
     ring.reset(fresh, a.kv_maps ? 1 : 32);
     if (a.kv_maps && (threadIdx.x & 31) == 0) tensormap_acquire(a.kv_maps);
-    uint32_t* U = reinterpret_cast<uint32_t*>(ring.tail());
-    uint32_t* Hs = U + geo.W + wr.wl * geo.W;  // this warp's words
+    uint32_t* const U0 = reinterpret_cast<uint32_t*>(ring.tail());
+    uint32_t* const U = U0 + slice * geo.W;
+    uint32_t* Hs = U0 + P2_SLICES * geo.W + wr.wl * geo.W;  // this warp's words
 
-    // Union of the CTA's hot masks (the tiles the CTA loads; each warp computes only its own).
-    for (int j = threadIdx.x; j < nwords; j += THREADS) U[j] = 0u;
+    // Union of the slice's hot masks (the tiles its ring loads; each warp computes only its own).
+    for (int j = threadIdx.x; j < P2_SLICES * geo.W; j += THREADS) U0[j] = 0u;
     __syncthreads();
     if (wr.warp_active) {
         for (int j = wr.lane; j <= (wr.Tw >> 5); j += 32) {
@@ -382,7 +398,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     int cur = p2_next_tile(U, 0, wr.Tmax);
     int ahead = cur;
     for (int k = 0; k < P2_STAGES; ++k) {
-        if (k == wr.wl && ahead <= wr.Tmax) load(k, ahead);
+        if (k == sw && ahead <= wr.Tmax) load(k, ahead);
         ahead = p2_next_tile(U, ahead + 1, wr.Tmax);
     }
     for (int i = 0; cur <= wr.Tmax; ++i) {

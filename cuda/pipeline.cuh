@@ -12,10 +12,14 @@
 //            the stage's bytes, which its copies count: in pass 1 two bulk copies of tile images
 //            (prep.cuh), in pass 2 tensor copies of K and V from the inputs. Paged K and V: 32
 //            arrivals, each lane of the loading warp's once its cp.async copies of rows have landed.
-//   done[s]  release counter: every warp adds 1 (acq_rel) after its last read of the stage; the
-//            warp that brings it to WARPS (i / NS + 1) is the last reader, and loads tile i + NS there.
-// Counters only grow (no reset to race with), and every warp waits on every tile of the sequence,
-// computing or not, so each phase completes exactly once per use.
+//   done[s]  release counter: every warp of the ring adds 1 (acq_rel) after its last read of the stage;
+//            the warp that brings it to MEMBERS (i / NS + 1) is the last reader, and loads tile i + NS there.
+// Counters only grow (no reset to race with), and every warp of the ring waits on every tile of the
+// sequence, computing or not, so each phase completes exactly once per use.
+//
+// A CTA may split into SLICES rings, each of NS stages, its own barriers and counters, and the
+// MEMBERS = WARPS / SLICES consecutive warps of its slice (pass 2: warps whose hot sets differ then
+// wait on fewer tiles that are not theirs).
 #pragma once
 
 #include "common.cuh"
@@ -132,8 +136,7 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
 
 // Dynamic shared memory of a kernel: the ring's barriers and counters (at offset 0, where both
 // passes of the fused launch find them), its stages, then the pass's own data. Pass 1 runs
-// NS = 5 stages (its Q̂ images take the rest of the 227 KB), pass 2 NS = 6: its warps skip the tiles
-// of the CTA's union that are not their own, so they run further ahead of the slowest one.
+// NS = 5 stages (its Q̂ images take the rest of the 227 KB), pass 2 three slices of 2 (pass2.cuh).
 // A stage holds two tile images of TILE * D halves (K̂ then V̂ᵀ in pass 1, K then V in pass 2: prep
 // writes them, mma.cuh sw128_half), 1024-byte aligned (the period of the 128-byte swizzle).
 constexpr int RING_MAX_STAGES = 6;
@@ -145,20 +148,25 @@ static_assert(RING_SYNC_BYTES >= RING_MAX_STAGES * (8 + 4) && RING_SYNC_BYTES % 
 template <int NS>
 constexpr int ring_smem_bytes() { return RING_SYNC_BYTES + (RING_ALIGN - 16) + NS * STAGE_HALVES * 2; }
 
-template <int NS>
+template <int NS, int SLICES = 1>
 struct TileRing {
-    static_assert(NS <= RING_MAX_STAGES && NS <= WARPS, "the prologue gives step s to warp s");
+    static constexpr int MEMBERS = WARPS / SLICES;
+    static_assert(WARPS % SLICES == 0 && NS * SLICES <= RING_MAX_STAGES, "the ring's barriers");
+    static_assert(NS <= MEMBERS, "the prologue gives step s to the slice's warp s");
     uint64_t* full;
     uint32_t* done;
-    uint16_t* base;
+    uint16_t* base;  // the slice's first stage
+    uint16_t* end;   // past every slice's stages
 
     // smem is 16-byte aligned; the stages start at the next multiple of RING_ALIGN after the
     // barriers (shared-window addresses: the swizzle acts on address bits).
-    __device__ __forceinline__ explicit TileRing(uint16_t* smem)
-        : full(reinterpret_cast<uint64_t*>(smem)),
-          done(reinterpret_cast<uint32_t*>(reinterpret_cast<uint64_t*>(smem) + RING_MAX_STAGES)) {
+    __device__ __forceinline__ explicit TileRing(uint16_t* smem, int slice = 0)
+        : full(reinterpret_cast<uint64_t*>(smem) + slice * NS),
+          done(reinterpret_cast<uint32_t*>(reinterpret_cast<uint64_t*>(smem) + RING_MAX_STAGES) + slice * NS) {
         const uint32_t at = smem_addr(smem) + RING_SYNC_BYTES;
-        base = smem + (RING_SYNC_BYTES + ((RING_ALIGN - at % RING_ALIGN) % RING_ALIGN)) / 2;
+        uint16_t* const first = smem + (RING_SYNC_BYTES + ((RING_ALIGN - at % RING_ALIGN) % RING_ALIGN)) / 2;
+        base = first + slice * NS * STAGE_HALVES;
+        end = first + SLICES * NS * STAGE_HALVES;
     }
 
     // Thread 0 arms the ring for a work item (fresh: first use of this shared memory by the CTA;
@@ -174,8 +182,8 @@ struct TileRing {
         }
     }
     __device__ __forceinline__ uint16_t* stage(int i) const { return base + (i % NS) * STAGE_HALVES; }
-    // The pass's own data after the stages.
-    __device__ __forceinline__ uint16_t* tail() const { return base + NS * STAGE_HALVES; }
+    // The pass's own data after the stages of every slice.
+    __device__ __forceinline__ uint16_t* tail() const { return end; }
 
     // Every lane of the warp that loads step i (the prologue gives step s < NS to warp s): the two
     // tile images (TILE * D halves each) by lane 0. The fence orders the readers' earlier accesses,
@@ -225,14 +233,14 @@ struct TileRing {
     }
     __device__ __forceinline__ void wait(int i) { mbar_wait(full + i % NS, (uint32_t)(i / NS) & 1u); }
 
-    // Every lane of every warp, after the warp's last read of step i's stage. True for the last of
-    // the CTA's warps: that warp loads step i + NS into stage(i), if there is one.
+    // Every lane of every warp of the ring, after the warp's last read of step i's stage. True for
+    // the last of them: that warp loads step i + NS into stage(i), if there is one.
     __device__ __forceinline__ bool release(int i) {
         __syncwarp();
         uint32_t old = 0;
         if ((threadIdx.x & 31) == 0) old = atom_add_acq_rel(done + i % NS, 1u);
         old = __shfl_sync(0xFFFFFFFFu, old, 0);
-        return old == (uint32_t)(WARPS * (i / NS + 1) - 1);
+        return old == (uint32_t)(MEMBERS * (i / NS + 1) - 1);
     }
 };
 

@@ -53,7 +53,8 @@ def test_exp2s_restricted_variants():
     lo = np.float32(-2).view(np.uint32)
     near = np.arange(np.float32(-0.0).view(np.uint32), lo, 29, dtype=np.uint32).view(np.float32)
     far = np.linspace(-130, -2, 4_000_001, dtype=np.float32)
-    edges = np.array([np.nan, -np.inf, -0.0, 0.0, -126, -126.00001, -125.99999, -125.5, -125.50001, -1e-45],
+    edges = np.array([np.nan, -np.inf, -0.0, 0.0, -126, -126.00001, -125.99999, -125.5, -125.50001, -1e-45,
+                      -126.5, -126.49999, -126.50001, -127, -126.99999, -127.00001, -127.5, -128, -3e38],
                      np.float32)
     x = np.concatenate([near, far, edges])
     msg = _first_diff(run_probe_exp2(x, "nonpos"), fpmath.exp2s_np(x), x)
