@@ -109,7 +109,8 @@ def run_probe_pscale(gm, cq, c, A, L, pow2: bool, fma: bool):
     gd, qd, cd = (_f32(np.ravel(x)) for x in (gm, cq, c))
     n = gd.size
     scale, bias, mass = (xp.empty(n, np.float32) for _ in range(3))
-    _run("apa_probe_pscale", -(-n // 128), 128, dict(gm=gd, cq=qd, c=cd, scale=scale, bias=bias, mass=mass, count=n,
+    # two items a thread, as the lane's two rows
+    _run("apa_probe_pscale", -(-n // 256), 128, dict(gm=gd, cq=qd, c=cd, scale=scale, bias=bias, mass=mass, count=n,
                                                      A=A, L=L, pow2=pow2, fma=fma))
     return tuple(xp.asnumpy(x) for x in (scale, bias, mass))
 

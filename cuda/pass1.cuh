@@ -189,62 +189,85 @@ __device__ __forceinline__ float p1_group_mass(float my_mass) {
     return sum;
 }
 
-// §7.4's two exp2s of a row and group, e = exp2(u ⊖ fl) and mass_cap = 24 ⊗ exp2(u₀) (u₀ ≤ 8; −inf, a
-// masked group, gives 0), from one software exp2 where they share it. With f₀ = floor(u₀) and x₀ = u₀ ⊖ f₀
-// (exact), exp2s(u₀) reduces u₀ to the same f = x₀ ⊖ round(x₀) as exp2s(x₀) does, so exp2s(u₀) =
-// exp2s(x₀) ⊗ 2^f₀ bit for bit (an exact power-of-two scaling of a normal number), except when x₀ = 0.5
-// and f₀ is odd (round(u₀) is then f₀ + 1 and round(x₀) is 0) or u₀ lies outside [−125, 127) (NaN, ±inf,
-// the subnormal and infinite ends): those lanes evaluate exp2s(u₀). And e is exp2s(x₀) when u₀ is not
-// clamped (u = u₀), else exp2s(+0) = 1. Saves a software exp2 (about 25 instructions) per row and
-// group on every step. The hardware exp2 of the fast mode has no such identity: it evaluates both.
-__device__ __forceinline__ void p1_pscale_exp2(float u0, float u, float fl, float& e, float& mass_cap) {
+// §7.4's two exp2s of a group for the lane's two rows (h = 0 lo, 1 hi), e = exp2(u ⊖ fl) and
+// mass_cap = 24 ⊗ exp2(u₀) (u₀ ≤ 8; −inf, a masked group, gives 0), from one software exp2 where they
+// share it. With f₀ = floor(u₀) and x₀ = u₀ ⊖ f₀ (exact), exp2s(u₀) reduces u₀ to the same
+// f = x₀ ⊖ round(x₀) as exp2s(x₀) does, so exp2s(u₀) = exp2s(x₀) ⊗ 2^f₀ bit for bit (an exact
+// power-of-two scaling of a normal number), except when x₀ = 0.5 and f₀ is odd (round(u₀) is then
+// f₀ + 1 and round(x₀) is 0) or u₀ lies outside [−125, 127) (NaN, ±inf, the subnormal and infinite
+// ends): those lanes evaluate exp2s(u₀), after both rows' common part, so that the two rows' chains
+// interleave. And e is exp2s(x₀) when u₀ is not clamped (u = u₀), else exp2s(+0) = 1. Saves a
+// software exp2 (about 25 instructions) per row and group on every step. The hardware exp2 of the
+// fast mode has no such identity: it evaluates both.
+__device__ __forceinline__ void p1_pscale_exp2(const float (&u0)[2], const float (&u)[2], const float (&fl)[2],
+                                               float (&e)[2], float (&mass_cap)[2]) {
 #if APA_EXP2_FAST
-    e = exp2_hw(fsub(u, fl));
-    mass_cap = fmul(24.0f, exp2_hw(u0));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        e[h] = exp2_hw(fsub(u[h], fl[h]));
+        mass_cap[h] = fmul(24.0f, exp2_hw(u0[h]));
+    }
 #else
-    const float f0 = floorf(u0);
-    const float x0 = fsub(u0, f0);
-    const float e0 = exp2s_core(x0);  // x₀ in [0, 1) when u₀ is finite; unused otherwise
-    e = u == u0 ? e0 : 1.0f;
-    const bool shared = u0 >= -125.0f && u0 < 127.0f && !(x0 == 0.5f && ((int)f0 & 1));
-    float p;
-    if (shared)
-        p = fmul(e0, f32_from_bits((uint32_t)((int)f0 + 127) << 23));
-    else
-        p = exp2s(u0);  // a branch, not a select: the lanes that need it are few
-    mass_cap = fmul(24.0f, p);
+    float p[2];
+    bool shared[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float f0 = floorf(u0[h]);
+        const float x0 = fsub(u0[h], f0);
+        const float e0 = exp2s_core(x0);  // x₀ in [0, 1) when u₀ is finite; unused otherwise
+        e[h] = u[h] == u0[h] ? e0 : 1.0f;
+        shared[h] = u0[h] >= -125.0f && u0[h] < 127.0f && !(x0 == 0.5f && ((int)f0 & 1));
+        p[h] = fmul(e0, f32_from_bits((uint32_t)((int)f0 + 127) << 23));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        if (!shared[h]) p[h] = exp2s(u0[h]);  // a branch, not a select: the lanes that need it are few
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mass_cap[h] = fmul(24.0f, p[h]);
 #endif
 }
 
-// P scale of one group (§7.4): returns bias, sets dec(kb) and §7.8's a_g = min(dec(kb), 24 ⊗ exp2(u₀)).
-// lg2_lane: LG2[lane] on lanes 0..8 (a shuffle, not a switch: lanes differ in mi, and a divergent
-// jump table serializes them).
-__device__ __forceinline__ float p1_pscale(float gm, float cq, float c, const Pass1Args& a, float lg2_lane,
-                                           float& scale, float& mass) {
-    const float u0 = madd(gm, cq, fsub(a.A, c), a.fma);
-    const float u = fminf(fmaxf(u0, -6.0f), 8.0f);
-    const float fl = floorf(u);
-    const float Lc = fsub(a.L, c);
-    if (a.pow2) {
-        const float mass_cap = fmul(24.0f, exp2x(u0));  // u₀ ≤ 8; −inf (masked group) gives 0
-        const float cu = ceilf(u);
-        scale = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
-        mass = c == neg_inf() ? 0.0f : fminf(scale, mass_cap);
-        return c == neg_inf() ? neg_inf() : fsub(Lc, cu);
+// P scale of one group (§7.4) for the lane's two rows (h = 0 lo, 1 hi), side by side: each row's
+// chain is long and serial, and two interleaved chains wait half as long. Sets bias, dec(kb) and
+// §7.8's a_g = min(dec(kb), 24 ⊗ exp2(u₀)). lg2_lane: LG2[lane] on lanes 0..8 (a shuffle, not a
+// switch: lanes differ in mi, and a divergent jump table serializes them).
+__device__ __forceinline__ void p1_pscale(const float (&gm)[2], const float (&cq)[2], const float (&c)[2],
+                                          const Pass1Args& a, float lg2_lane, float (&bias)[2], float (&scale)[2],
+                                          float (&mass)[2]) {
+    float u0[2], u[2], fl[2], Lc[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        u0[h] = madd(gm[h], cq[h], fsub(a.A, c[h]), a.fma);
+        u[h] = fminf(fmaxf(u0[h], -6.0f), 8.0f);
+        fl[h] = floorf(u[h]);
+        Lc[h] = fsub(a.L, c[h]);
     }
-    float e, mass_cap;
+    if (a.pow2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float mass_cap = fmul(24.0f, exp2x(u0[h]));  // u₀ ≤ 8; −inf (masked group) gives 0
+            const float cu = ceilf(u[h]);
+            scale[h] = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
+            mass[h] = c[h] == neg_inf() ? 0.0f : fminf(scale[h], mass_cap);
+            bias[h] = c[h] == neg_inf() ? neg_inf() : fsub(Lc[h], cu);
+        }
+        return;
+    }
+    float e[2], mass_cap[2];
     p1_pscale_exp2(u0, u, fl, e, mass_cap);
-    int mi = (int)ceilf(fmul(8.0f, fsub(e, 1.0f)));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int mi = (int)ceilf(fmul(8.0f, fsub(e[h], 1.0f)));
 #if APA_EXP2_FAST
-    mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
+        mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
 #endif
-    scale = ue4m3_dec((uint32_t)(8 * ((int)fl + 7) + mi));
-    mass = fminf(scale, mass_cap);
-    const float bias = fsub(Lc, fadd(fl, __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
-    // A row none of whose keys is visible yet (c = -inf, only with a window): P̂ = 0 and a_g = 0
-    // (§7.4). Selected after the shuffle, which every lane must reach.
-    if (c == neg_inf()) mass = 0.0f;
-    return c == neg_inf() ? neg_inf() : bias;
+        scale[h] = ue4m3_dec((uint32_t)(8 * ((int)fl[h] + 7) + mi));
+        mass[h] = fminf(scale[h], mass_cap[h]);
+        bias[h] = fsub(Lc[h], fadd(fl[h], __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
+        // A row none of whose keys is visible yet (c = -inf, only with a window): P̂ = 0 and a_g = 0
+        // (§7.4). Selected after the shuffle, which every lane must reach.
+        if (c[h] == neg_inf()) mass[h] = 0.0f, bias[h] = neg_inf();
+    }
 }
 
 // §7.5 P' of the tile, folded into FP16 A fragments (k-step kk = group kk): lane t0 of each quad
@@ -368,7 +391,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // Q̂ of the warp's 16 rows into its warpgroup's image (§7.1), c_q per row. Rows of warps past
     // the CTA's rows are zero: the warpgroup's wgmma reads them too.
     const int wrow = 16 * (wr.wl & 3);                    // the warp's first row in the image
-    uint16_t* Qg = ring.tail() + (wr.wl >> 2) * 64 * D;  // the warpgroup's image
+    // The warpgroup's image. Its index through a shuffle from lane 0, which the compiler knows to be
+    // warp-uniform: the Q̂ descriptors of the score wgmma then live in uniform registers, where
+    // computed from threadIdx they took six instructions per wgmma to move there (~45 a step).
+    const int wg = __shfl_sync(0xFFFFFFFFu, wr.wl >> 2, 0);
+    uint16_t* Qg = ring.tail() + wg * 64 * D;
     float cq_lo = 1.0f, cq_hi = 1.0f;
     {
         const uint16_t* qsrc = a.qhat + (bh * geo.Rp_buf + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
@@ -404,6 +431,11 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     // §7.6's B operand: column g of the row-sum MMA is lane group g's; the odd ones carry ν (output test).
     const bool nu_lane = a.output && (wr.g & 1);
     const uint16_t* nu_bh = nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
+    // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment): ones, set once; the output test's
+    // lanes load their ν per step.
+    uint32_t bw[4][2];
+#pragma unroll
+    for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;
     auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
         const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
         ring.load_images(j, khat_bh + base, vhat_bh + base);
@@ -442,7 +474,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             if (j == 0 && i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
         if (j > 0 && ring.release(j - 1) && j - 1 + P1_STAGES < nst) load(j - 1 + P1_STAGES);
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
-        uint32_t pa[4][4] = {};  // P̂ of a cold tile; zero otherwise
+        uint32_t pa[4][4];  // P̂ of a cold tile; zero otherwise (set on each path: no zeroing first)
         if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {
             // Mask: keys outside lo_r .. lim_r -> -inf (only tiles that reach past a row's limits).
             if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {
@@ -460,17 +492,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
             // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
             // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
-            float my_sc_lo, my_sc_hi, my_mass_lo, my_mass_hi;
-            const float gsel_lo = wr.t0 == 0 ? gm_lo[0] : wr.t0 == 1 ? gm_lo[1] : wr.t0 == 2 ? gm_lo[2] : gm_lo[3];
-            const float gsel_hi = wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3];
-            const float my_bias_lo = p1_pscale(gsel_lo, cq_lo, c_lo, a, lg2_lane, my_sc_lo, my_mass_lo);
-            const float my_bias_hi = p1_pscale(gsel_hi, cq_hi, c_hi, a, lg2_lane, my_sc_hi, my_mass_hi);
-            // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment). The loads sit behind the
-            // launch-uniform output flag: as selects, the mass test issued them (predicated off) with
-            // their address arithmetic on every step, about 45 of pass 1's ~1265 instructions a step.
-            uint32_t bw[4][2];
-#pragma unroll
-            for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;
+            const float gsel[2] = {
+                wr.t0 == 0 ? gm_lo[0] : wr.t0 == 1 ? gm_lo[1] : wr.t0 == 2 ? gm_lo[2] : gm_lo[3],
+                wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3]};
+            float my_bias[2], my_sc[2], my_mass[2];
+            p1_pscale(gsel, {cq_lo, cq_hi}, {c_lo, c_hi}, a, lg2_lane, my_bias, my_sc, my_mass);
+            const float my_bias_lo = my_bias[0], my_bias_hi = my_bias[1], my_sc_lo = my_sc[0], my_sc_hi = my_sc[1];
+            const float my_mass_lo = my_mass[0], my_mass_hi = my_mass[1];
+            // The loads sit behind the launch-uniform output flag: as selects, the mass test issued them
+            // (predicated off) with their address arithmetic on every step.
             if (a.output && nu_lane) {
                 const uint16_t* nu_t = nu_bh + a.span.slot(t) * TILE;
 #pragma unroll
@@ -528,6 +558,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             }
 #endif
             ++visit;
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
         }
         // §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by
         // the whole warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the

@@ -205,17 +205,21 @@ extern "C" __global__ void apa_probe_tables(const __grid_constant__ ProbeTablesP
     if (i < 0x7F) p.dec[i] = ue4m3_dec((uint32_t)i);
 }
 
-// Every lane reaches p1_pscale, whose LG2 lookup is a shuffle across the warp.
+// Every lane reaches p1_pscale, whose LG2 lookup is a shuffle across the warp. Thread t takes items
+// 2t (row lo) and 2t + 1 (row hi).
 extern "C" __global__ void apa_probe_pscale(const __grid_constant__ ProbePscaleParams p) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool in = i < p.count;
+    const long long i0 = 2 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
     Pass1Args a{};
     a.A = p.A, a.L = p.L, a.pow2 = p.pow2, a.fma = p.fma;
     const int lane = threadIdx.x & 31;
-    float scale, mass;
-    const float bias = p1_pscale(in ? p.gm[i] : 0.0f, in ? p.cq[i] : 1.0f, in ? p.c[i] : 0.0f, a,
-                                 lg2_table(lane < 9 ? lane : 0), scale, mass);
-    if (in) p.scale[i] = scale, p.bias[i] = bias, p.mass[i] = mass;
+    float gm[2], cq[2], c[2], bias[2], scale[2], mass[2];
+    for (int h = 0; h < 2; ++h) {
+        const bool in = i0 + h < p.count;
+        gm[h] = in ? p.gm[i0 + h] : 0.0f, cq[h] = in ? p.cq[i0 + h] : 1.0f, c[h] = in ? p.c[i0 + h] : 0.0f;
+    }
+    p1_pscale(gm, cq, c, a, lg2_table(lane < 9 ? lane : 0), bias, scale, mass);
+    for (int h = 0; h < 2; ++h)
+        if (i0 + h < p.count) p.scale[i0 + h] = scale[h], p.bias[i0 + h] = bias[h], p.mass[i0 + h] = mass[h];
 }
 
 extern "C" __global__ void apa_probe_merge(const __grid_constant__ ProbeMergeParams p) {
