@@ -247,7 +247,7 @@ __device__ __forceinline__ void p1_pscale(const float (&gm)[2], const float (&cq
         for (int h = 0; h < 2; ++h) {
             const float mass_cap = fmul(24.0f, exp2x(u0[h]));  // u₀ ≤ 8; −inf (masked group) gives 0
             const float cu = ceilf(u[h]);
-            scale[h] = ue4m3_dec((uint32_t)(8 * ((int)cu + 7)));
+            scale[h] = f32_from_bits((uint32_t)((int)cu + 127) << 23);  // dec(8 (cu + 7)) = 2^cu
             mass[h] = c[h] == neg_inf() ? 0.0f : fminf(scale[h], mass_cap);
             bias[h] = c[h] == neg_inf() ? neg_inf() : fsub(Lc[h], cu);
         }
@@ -261,7 +261,9 @@ __device__ __forceinline__ void p1_pscale(const float (&gm)[2], const float (&cq
 #if APA_EXP2_FAST
         mi = min(max(mi, 0), 8);  // the hardware exp2 of u - fl in [0, 1) may leave [1, 2]
 #endif
-        scale[h] = ue4m3_dec((uint32_t)(8 * ((int)fl[h] + 7) + mi));
+        // dec(kb), kb = 8 (fl + 7) + mi in 8..120: a normal code, 2^fl (1 + mi/8), whose bits are the
+        // exponent's plus mi << 20 (mi = 8 carries into the exponent, as into kb's).
+        scale[h] = f32_from_bits(((uint32_t)((int)fl[h] + 127) << 23) + ((uint32_t)mi << 20));
         mass[h] = fminf(scale[h], mass_cap[h]);
         bias[h] = fsub(Lc[h], fadd(fl[h], __shfl_sync(0xFFFFFFFFu, lg2_lane, mi)));
         // A row none of whose keys is visible yet (c = -inf, only with a window): P̂ = 0 and a_g = 0
