@@ -100,7 +100,7 @@ MUTANTS = [
     Mutant("K5", "kernel merge: cold part not rescaled (w1 = 1)", "cuda/merge.cuh",
            "(l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f", "(l1 > 0.0f) ? 1.0f : 0.0f", SIM),
     Mutant("K6", "kernel P-scale exponent fused (the seed's fmaf)", "cuda/pass1.cuh",
-           "madd(gm, cq, fsub(a.A, c), a.fma)", "madd(gm, cq, fsub(a.A, c), true)",
+           "madd(gm[h], cq[h], fsub(a.A, c[h]), a.fma)", "madd(gm[h], cq[h], fsub(a.A, c[h]), true)",
            SIM),
     Mutant("K7", "kernel pass 1: ad not rescaled when the frame moves", "cuda/pass1.cuh",
            "        r.ad = fmul(r.ad, alpha);\n", "", SIM),
@@ -142,7 +142,7 @@ MUTANTS = [
            "u0 = fma32(gm, cq, k.A - c) if mode.fma else", "u0 = gm * cq + (k.A - c) if mode.fma else",
            ("tests/test_algorithm.py",)),
     Mutant("K16", "kernel fma: the P-scale exponent u unfused", "cuda/pass1.cuh",
-           "madd(gm, cq, fsub(a.A, c), a.fma)", "madd(gm, cq, fsub(a.A, c), false)", FMA_PROBES),
+           "madd(gm[h], cq[h], fsub(a.A, c[h]), a.fma)", "madd(gm[h], cq[h], fsub(a.A, c[h]), false)", FMA_PROBES),
     Mutant("K17", "kernel fma: the merge numerator unfused", "cuda/merge.cuh",
            "fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), fused), mw.inv)",
            "fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), false), mw.inv)", FMA_PROBES),
@@ -162,7 +162,18 @@ MUTANTS = [
     Mutant("K24", "kernel output test: ν never loaded into the row-sum MMA's odd columns", "cuda/pass1.cuh",
            "if (a.output && nu_lane) {", "if (!a.output && nu_lane) {", SIM),
     Mutant("K25", "kernel §7.4 a_g: exp2s(u0) as exp2s(x0)·2^floor(u0) at odd-floor ties too", "cuda/pass1.cuh",
-           "u0 < 127.0f && !(x0 == 0.5f && ((int)f0 & 1));", "u0 < 127.0f;", FMA_PROBES),
+           "u0[h] < 127.0f && !(x0 == 0.5f && ((int)f0 & 1));", "u0[h] < 127.0f;", FMA_PROBES),
+    Mutant("K26", "kernel pass 2: the §8.1 mask skipped unless the tile passes both rows' limits", "cuda/pass2.cuh",
+           "if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {\n#pragma unroll\n"
+           "        for (int nt = 0; nt < 8; ++nt) {\n#pragma unroll\n            for (int e = 0; e < 2; ++e) {\n"
+           "                const int key = t * TILE + 8 * nt + 2 * t0 + e;",
+           "if (t * TILE + TILE - 1 > max(wr.lim_lo, wr.lim_hi) || t * TILE < min(wr.lo_lo, wr.lo_hi)) {\n#pragma unroll\n"
+           "        for (int nt = 0; nt < 8; ++nt) {\n#pragma unroll\n            for (int e = 0; e < 2; ++e) {\n"
+           "                const int key = t * TILE + 8 * nt + 2 * t0 + e;", SIM),
+    Mutant("K27", "kernel exp2s_nonpos: x clamped to -126, not -127 (x < -126 gives 2^-126, not +0)", "cuda/fpmath.cuh",
+           "exp2s_poly(fmaxf(x, -127.0f), ji);", "exp2s_poly(fmaxf(x, -126.0f), ji);", SIM),
+    Mutant("K28", "kernel §7.4 dec(kb) from bits: mi one mantissa bit too low", "cuda/pass1.cuh",
+           "+ ((uint32_t)mi << 20));", "+ ((uint32_t)mi << 19));", FMA_PROBES),
     Mutant("M32", "p2_shift lanes: the lane sums added in a chain", "apa_emu/prep.py",
            "return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])", "return ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]",
            ("tests/test_seed_preset.py",)),
