@@ -276,13 +276,12 @@ __device__ __forceinline__ void p1_pscale(const float (&gm)[2], const float (&cq
 // holds the scale and bias of group t0 (p1_pscale) and the quad exchanges them. QUANT (§7.5 on):
 // e2m1(exp2s(y)) by thresholds, so no per-element exp2 at all; in the fast mode, the hardware exp2
 // in binary16 pairs instead. §7.6 tile row sums tl4: the chain over the 4 groups in slot order from
-// C = +0 against bw (ones, and in the odd columns ν under the output test: tl4[1], tl4[3] are then tv),
-// each step issued as soon as its group is done, so that the tensor core's latency hides behind the
-// next group's P'.
+// C = +0 against ones (tl in every column), each step issued as soon as its group is done, so that the
+// tensor core's latency hides behind the next group's P'.
 template <bool QUANT, bool FUSED>
 __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, float cq_hi, float my_bias_lo,
                                           float my_bias_hi, float my_sc_lo, float my_sc_hi,
-                                          const uint32_t (&bw)[4][2], uint32_t (&pa)[4][4], float (&tl4)[4]) {
+                                          uint32_t (&pa)[4][4], float (&tl4)[4]) {
     tl4[0] = tl4[1] = tl4[2] = tl4[3] = 0.0f;
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -318,7 +317,7 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
             pa[gi][2] = f16x2(ph[1][0], ph[1][1]);
             pa[gi][3] = f16x2(ph[1][2], ph[1][3]);
         }
-        mma_f32_acc(tl4, pa[gi], bw[gi][0], bw[gi][1]);
+        mma_f32_acc(tl4, pa[gi], ONES_H2, ONES_H2);
     }
 }
 
@@ -430,14 +429,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     uint32_t* const hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;  // the warp's hot-mask words
     const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
-    // §7.6's B operand: column g of the row-sum MMA is lane group g's; the odd ones carry ν (output test).
+    // §7.6's tv (output test): column g of its MMA is lane group g's, and the odd ones carry ν.
     const bool nu_lane = a.output && (wr.g & 1);
     const uint16_t* nu_bh = nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
-    // k = slots 16 gi + 2 t0 + {0, 1} and + 8 (mma.sync B fragment): ones, set once; the output test's
-    // lanes load their ν per step.
-    uint32_t bw[4][2];
-#pragma unroll
-    for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;
     auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
         const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
         ring.load_images(j, khat_bh + base, vhat_bh + base);
@@ -501,28 +495,38 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             p1_pscale(gsel, {cq_lo, cq_hi}, {c_lo, c_hi}, a, lg2_lane, my_bias, my_sc, my_mass);
             const float my_bias_lo = my_bias[0], my_bias_hi = my_bias[1], my_sc_lo = my_sc[0], my_sc_hi = my_sc[1];
             const float my_mass_lo = my_mass[0], my_mass_hi = my_mass[1];
-            // The loads sit behind the launch-uniform output flag: as selects, the mass test issued them
-            // (predicated off) with their address arithmetic on every step.
-            if (a.output && nu_lane) {
-                const uint16_t* nu_t = nu_bh + a.span.slot(t) * TILE;
-#pragma unroll
-                for (int gi = 0; gi < 4; ++gi) {
-                    bw[gi][0] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi);
-                    bw[gi][1] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi + 8);
-                }
-            }
-            float tl4[4];  // §7.6 tile row sums (and tv in tl4[1], tl4[3])
+            float tl4[4];  // §7.6 tile row sums
             // The element loop compiled per (quantized P', fused y): a run-time select there costs ~5 %.
 #define APA_PFRAGS(QUANT, FUSED) \
-    p1_pfrags<QUANT, FUSED>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, bw, pa, tl4)
+    p1_pfrags<QUANT, FUSED>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4)
             if (a.quant_p)
                 a.fma ? APA_PFRAGS(true, true) : APA_PFRAGS(true, false);
             else
                 a.fma ? APA_PFRAGS(false, true) : APA_PFRAGS(false, false);
 #undef APA_PFRAGS
             const float tl_lo = tl4[0], tl_hi = tl4[2];
-            // Without the output test lv runs beside la on ones (tv = tl) and nothing reads it.
-            const float tv_lo = tl4[1], tv_hi = tl4[3];
+            // Without the output test lv runs beside la on tl and nothing reads it. With it, tv is the same
+            // chain against ν in the odd columns (k = slots 16 gi + 2 t0 + {0, 1} and + 8): an MMA's columns
+            // are independent dot products, so a second chain gives the bits ν beside the ones in one MMA
+            // gave, and the mass test issues neither it nor ν's loads and their addresses (~15 a step).
+            float tv_lo = tl_lo, tv_hi = tl_hi;
+            if (a.output) {
+                uint32_t bw[4][2];
+#pragma unroll
+                for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;  // the even columns: unread
+                if (nu_lane) {
+                    const uint16_t* nu_t = nu_bh + a.span.slot(t) * TILE;
+#pragma unroll
+                    for (int gi = 0; gi < 4; ++gi) {
+                        bw[gi][0] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi);
+                        bw[gi][1] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi + 8);
+                    }
+                }
+                float tv4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tv4, pa[gi], bw[gi][0], bw[gi][1]);
+                tv_lo = tv4[1], tv_hi = tv4[3];
+            }
             float a_lo, a_hi;
             const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps,
                                                     a.fma, a_lo, a_hi)
