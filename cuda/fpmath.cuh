@@ -102,15 +102,16 @@ __device__ __forceinline__ float exp2s_core(float x) {
     return fmul(p, f32_from_bits((uint32_t)(ji + 127) << 23));
 }
 
-// binary32 multiply that flushes a subnormal result to a zero of its sign (and subnormal inputs,
-// which exp2s_nonpos never passes).
-__device__ __forceinline__ float fmul_ftz(float a, float b) {
+// §2 step 6 on a product: a ⊗ b, a subnormal result flushed to a zero of its sign (the kernel's one
+// flushing instruction, marked in the PTX for the audit of tests/test_gpu_build.py; a subnormal input,
+// which exp2s_nonpos never passes, would be flushed too).
+__device__ __forceinline__ float fmul_step6(float a, float b) {
 #ifdef APA_SIM
     const float r = a * b;
     return fabsf(r) < f32_from_bits(0x00800000u) ? copysignf(0.0f, r) : r;
 #else
     float r;
-    asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    asm("mul.rn.ftz.f32 %0, %1, %2; // step 6\n" : "=f"(r) : "f"(a), "f"(b));
     return r;
 #endif
 }
@@ -123,7 +124,7 @@ __device__ __forceinline__ float fmul_ftz(float a, float b) {
 __device__ __forceinline__ float exp2s_nonpos(float x) {
     int ji;
     const float p = exp2s_poly(fmaxf(x, -127.0f), ji);
-    const float r = fmul_ftz(p, f32_from_bits((uint32_t)(ji + 127) << 23));
+    const float r = fmul_step6(p, f32_from_bits((uint32_t)(ji + 127) << 23));
     return x != x ? x : r;
 }
 

@@ -102,8 +102,9 @@ def test_head_dims_are_those_the_sources_allow(d):
 def test_ptx_has_no_fma_ftz_or_approx(variant):
     """numerics.md §1.1–1.2: every binary32 operation is a single rounding without flush; the only
     fused operations are the binary16 fma of quant16 (§4.4, two per fma.rn.f16x2), the exact FMAs of the P' thresholds
-    (§7.5) and config fma's sites (§1.8, fpmath.cuh madd, marked in the PTX); MUFU only in the fast
-    exp2 variant."""
+    (§7.5) and config fma's sites (§1.8, fpmath.cuh madd, marked in the PTX); the only flushing one is
+    exp2s_nonpos's multiply, whose flush is §2 step 6 (fpmath.cuh fmul_step6, marked); MUFU only in the
+    fast exp2 variant."""
     ptx = _ptx(variant)
     ops = re.findall(r"^\s+([a-z][a-z0-9_.]*)", ptx, flags=re.M)
     fused = {o for o in ops if o.startswith("fma") and o not in ("fma.rn.f16", "fma.rn.f16x2")}
@@ -114,7 +115,9 @@ def test_ptx_has_no_fma_ftz_or_approx(variant):
     plain = ops.count("fma.rn.f32") - madd
     assert madd > 0, "config fma's sites are missing"
     assert 7 * plain == 2 * ops.count("fma.rn.sat.f32"), "a binary32 FMA outside the P' thresholds and madd"
-    assert not {o for o in ops if ".ftz" in o}
+    step6 = len(re.findall(r"^\s+mul\.rn\.ftz\.f32 [^\n]*// step 6$", ptx, flags=re.M))
+    assert {o for o in ops if ".ftz" in o} <= {"mul.rn.ftz.f32"}
+    assert ops.count("mul.rn.ftz.f32") == step6, "a flushing multiply outside exp2s_nonpos's step 6"
     assert not {o for o in ops if ".approx" in o}
     arith = {o for o in ops if re.match(r"(add|sub|mul|div)\.[a-z0-9.]*f(16|32)", o)}
     assert all(".rn" in o for o in arith), arith
