@@ -166,6 +166,20 @@ __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
+// Named barrier id of n threads: bar.sync waits for the n, bar.arrive counts itself and goes on.
+// Pass 1's warpgroups take turns at the tensor cores with them (pass1.cuh); scheduling only, so the
+// simulator, which runs an MMA when it is issued, skips them.
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+#ifndef APA_SIM
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+#endif
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+#ifndef APA_SIM
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+#endif
+}
+
 // Wait until at most N committed groups are pending: the results of the others are in the
 // registers and their shared-memory reads are done.
 template <int N>

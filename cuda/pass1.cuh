@@ -458,9 +458,24 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                          Kop.plus((ks >> 2) * TILE * 64 + (ks & 3) * 16));
         wg_commit();
     };
+    // The warpgroups issue their MMA batches (batch 0: step 0's scores; batch j + 1: step j's P̂·V̂ and
+    // step j + 1's scores) in turn, 0, 1, 2, 0, ..., FA3's warp-scheduler barrier: without it they drift
+    // into issuing together and then all wait for the tensor cores while the ALUs idle. Warpgroup w
+    // waits on barrier 1 + w for its predecessor's arrival; every batch has its successor but the last.
+    constexpr int NWG = WARPS / 4;
+    auto mma_turn = [&](int batch) {
+        if constexpr (NWG > 1)
+            if (batch > 0 || wg > 0) named_bar_sync(1 + wg, 256);
+    };
+    auto mma_pass = [&](int batch) {
+        if constexpr (NWG > 1)
+            if (batch < nst || wg < NWG - 1) named_bar_arrive(1 + (wg + 1) % NWG, 256);
+    };
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
+    mma_turn(0);
     issue_scores(0);
+    mma_pass(0);
     for (int j = 0; j < nst; ++j) {
         const int t = visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
@@ -571,11 +586,13 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         // §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by
         // the whole warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the
         // largest term, which leaves o as it is bit for bit (mma_models.md §3).
+        mma_turn(j + 1);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
         wg_commit();
         if (j + 1 < nst) issue_scores(j + 1);
+        mma_pass(j + 1);
     }
     wg_wait<0>();  // the last P̂·V̂ (the ring needs no release: no step follows, and reset re-arms it)
 
