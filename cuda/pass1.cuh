@@ -460,16 +460,18 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     };
     // The warpgroups issue their MMA batches (batch 0: step 0's scores; batch j + 1: step j's P̂·V̂ and
     // step j + 1's scores) in turn, 0, 1, 2, 0, ..., FA3's warp-scheduler barrier: without it they drift
-    // into issuing together and then all wait for the tensor cores while the ALUs idle. Warpgroup w
-    // waits on barrier 1 + w for its predecessor's arrival; every batch has its successor but the last.
-    constexpr int NWG = WARPS / 4;
+    // into issuing together and then all wait for the tensor cores while the ALUs idle (the turns:
+    // −2 % in the fast mode, docs/benchmarks.md). Warpgroup w waits on barrier 1 + w (0 is
+    // __syncthreads) for its predecessor's arrival; every batch has its successor but the last.
+    constexpr int NWG = WARPS / 4, TURN_THREADS = 2 * 128;  // a warpgroup and its predecessor
+    static_assert(NWG < 16, "one hardware barrier per warpgroup besides barrier 0");
     auto mma_turn = [&](int batch) {
         if constexpr (NWG > 1)
-            if (batch > 0 || wg > 0) named_bar_sync(1 + wg, 256);
+            if (batch > 0 || wg > 0) named_bar_sync(1 + wg, TURN_THREADS);
     };
     auto mma_pass = [&](int batch) {
         if constexpr (NWG > 1)
-            if (batch < nst || wg < NWG - 1) named_bar_arrive(1 + (wg + 1) % NWG, 256);
+            if (batch < nst || wg < NWG - 1) named_bar_arrive(1 + (wg + 1) % NWG, TURN_THREADS);
     };
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
