@@ -585,10 +585,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
         }
+        mma_turn(j + 1);
         // §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by
         // the whole warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the
         // largest term, which leaves o as it is bit for bit (mma_models.md §3).
-        mma_turn(j + 1);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
