@@ -137,8 +137,10 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
     }
     const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
     const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
-    const bool trig = __any_sync(0xFFFFFFFFu, (wr.run_lo && mx_lo > fadd(m_lo, tau)) ||
-                                                  (wr.run_hi && mx_hi > fadd(m_hi, tau)));
+    // & and |, not && and ||: a short circuit on the lane's rows is a divergent branch, with its
+    // convergence barrier, on every step.
+    const bool trig = __any_sync(0xFFFFFFFFu, (wr.run_lo & (mx_lo > fadd(m_lo, tau))) |
+                                                  (wr.run_hi & (mx_hi > fadd(m_hi, tau))));
     c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
     c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
 }
@@ -151,9 +153,9 @@ __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, floa
                                             float& a_lo, float& a_hi) {
     a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
     a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
-    const bool hp_lo = wr.run_lo && x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused));
-    const bool hp_hi = wr.run_hi && x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused));
-    return __any_sync(0xFFFFFFFFu, hp_lo || hp_hi);
+    const bool hp_lo = wr.run_lo & (x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused)));  // as in p1_frame
+    const bool hp_hi = wr.run_hi & (x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused)));
+    return __any_sync(0xFFFFFFFFu, hp_lo | hp_hi);
 }
 
 // §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f), lv ⊕= tv ⊗ the same.
@@ -427,6 +429,10 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 #endif
 
     uint32_t* const hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;  // the warp's hot-mask words
+    // The warp's tightest key limits: the mask below is then a uniform branch, not a divergent one
+    // (the lanes whose rows a tile does not pass keep their scores: the mask's selects leave them).
+    const int lim_w = __reduce_min_sync(0xFFFFFFFFu, min(wr.lim_lo, wr.lim_hi));
+    const int lo_w = __reduce_max_sync(0xFFFFFFFFu, max(wr.lo_lo, wr.lo_hi));
     const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
     // §7.6's tv (output test): column g of its MMA is lane group g's, and the odd ones carry ν.
@@ -478,6 +484,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     mma_turn(0);
     issue_scores(0);
     mma_pass(0);
+    uint32_t rel = 0;  // lane 0: the release counter before the warp's last increment
     for (int j = 0; j < nst; ++j) {
         const int t = visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
@@ -485,12 +492,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         // serializes the kernel's wgmma (its warning C7515).
         if constexpr (SEGMENT)
             if (j == 0 && i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
-        if (j > 0 && ring.release(j - 1) && j - 1 + P1_STAGES < nst) load(j - 1 + P1_STAGES);
+        // The release of step j − 1's stage, tested a step later, when the counter's round trip is done:
+        // the last warp out loads step j + NS − 2 there.
+        if (j > 1 && ring.released(j - 2, rel) && j - 2 + P1_STAGES < nst) load(j - 2 + P1_STAGES);
+        if (j > 0) rel = ring.release_begin(j - 1);
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4];  // P̂ of a cold tile; zero otherwise (set on each path: no zeroing first)
         if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {
             // Mask: keys outside lo_r .. lim_r -> -inf (only tiles that reach past a row's limits).
-            if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {
+            if (t * TILE + TILE - 1 > lim_w || t * TILE < lo_w) {
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll

@@ -12,8 +12,9 @@
 //            the stage's bytes, which its copies count: in pass 1 two bulk copies of tile images
 //            (prep.cuh), in pass 2 tensor copies of K and V from the inputs. Paged K and V: 32
 //            arrivals, each lane of the loading warp's once its cp.async copies of rows have landed.
-//   done[s]  release counter: every warp of the ring adds 1 (acq_rel) after its last read of the stage;
-//            the warp that brings it to MEMBERS (i / NS + 1) is the last reader, and loads tile i + NS there.
+//   done[s]  release counter: every warp of the ring adds 1 (release) after its last read of the stage;
+//            the warp that brings it to MEMBERS (i / NS + 1) is the last reader, and loads tile i + NS there
+//            (pass 1 tests its increment's result a step later, when the round trip has passed).
 // Counters only grow (no reset to race with), and every warp of the ring waits on every tile of the
 // sequence, computing or not, so each phase completes exactly once per use.
 //
@@ -119,18 +120,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
 #endif
 }
-// Shared-memory counter increment that orders the warp's earlier reads before any later reader of
-// the result (and the loader's later copies after everybody's reads).
-__device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t* p, uint32_t v) {
+// Shared-memory counter increment that orders the warp's earlier reads before it (release); the
+// warp that reads the last value acquires with fence_acq_rel before it loads the stage again. The
+// result is read a step later (TileRing::released): an acquire here, or ptxas's warp aggregation of
+// an add (which an inc with no wrap and a lane-dependent address avoid), would wait for it at once.
+__device__ __forceinline__ uint32_t atom_inc_release(uint32_t* p) {
 #ifdef APA_SIM
-    return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+    return __atomic_fetch_add(p, 1u, __ATOMIC_ACQ_REL);
 #else
     uint32_t old;
-    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;\n"
+    asm volatile("atom.release.cta.shared::cta.inc.u32 %0, [%1], %2;\n"
                  : "=r"(old)
-                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(v)
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(0xFFFFFFFFu)
                  : "memory");
     return old;
+#endif
+}
+__device__ __forceinline__ void fence_acq_rel() {
+#ifndef APA_SIM
+    asm volatile("fence.acq_rel.cta;\n" ::: "memory");
 #endif
 }
 
@@ -235,12 +243,24 @@ struct TileRing {
 
     // Every lane of every warp of the ring, after the warp's last read of step i's stage. True for
     // the last of them: that warp loads step i + NS into stage(i), if there is one.
-    __device__ __forceinline__ bool release(int i) {
+    __device__ __forceinline__ bool release(int i) { return released(i, release_begin(i)); }
+    // The same in two halves, so that the counter's round trip can pass under other work: the
+    // increment (lane 0's counter value before it, 0 on the other lanes), and later the test, which
+    // acquires the other warps' releases for the last of them.
+    __device__ __forceinline__ uint32_t release_begin(int i) {
         __syncwarp();
-        uint32_t old = 0;
-        if ((threadIdx.x & 31) == 0) old = atom_add_acq_rel(done + i % NS, 1u);
-        old = __shfl_sync(0xFFFFFFFFu, old, 0);
-        return old == (uint32_t)(MEMBERS * (i / NS + 1) - 1);
+        uint32_t lane;  // from %laneid: ptxas does not know it below 32, and keeps the atomic lane 0's
+#ifdef APA_SIM
+        lane = threadIdx.x & 31;
+#else
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+#endif
+        return lane == 0 ? atom_inc_release(done + i % NS + (lane >> 5)) : 0u;
+    }
+    __device__ __forceinline__ bool released(int i, uint32_t old) {
+        const bool last = __shfl_sync(0xFFFFFFFFu, old, 0) == (uint32_t)(MEMBERS * (i / NS + 1) - 1);
+        if (last) fence_acq_rel();
+        return last;
     }
 };
 

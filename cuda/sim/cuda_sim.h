@@ -106,6 +106,21 @@ inline int __any_sync(unsigned, int pred) {
     return 0;
 }
 
+inline int __reduce_min_sync(unsigned, int v) {
+    int all[32];
+    apa_sim::warp_exchange(&v, all, 4);
+    int r = all[0];
+    for (int i = 1; i < 32; ++i) r = all[i] < r ? all[i] : r;
+    return r;
+}
+inline int __reduce_max_sync(unsigned, int v) {
+    int all[32];
+    apa_sim::warp_exchange(&v, all, 4);
+    int r = all[0];
+    for (int i = 1; i < 32; ++i) r = all[i] > r ? all[i] : r;
+    return r;
+}
+
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
