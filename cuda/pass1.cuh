@@ -120,8 +120,9 @@ __device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&
 }
 
 // §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima and the lazy frame vote: the
-// candidate frame c of the lane's two rows. Padding rows do not vote (§6.2).
-__device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows& wr, float cq_lo, float cq_hi,
+// candidate frame c of the lane's two rows, and the vote (false: c = m in every row of the warp).
+// Padding rows do not vote (§6.2).
+__device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows& wr, float cq_lo, float cq_hi,
                                          float m_lo, float m_hi, float tau, float (&gm_lo)[4], float (&gm_hi)[4],
                                          float& c_lo, float& c_hi) {
 #pragma unroll
@@ -143,39 +144,49 @@ __device__ __forceinline__ void p1_frame(const float (&s)[8][4], const WarpRows&
                                                   (wr.run_hi & (mx_hi > fadd(m_hi, tau))));
     c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
     c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
+    return trig;
 }
 
 // §7.7 hot test: a warp vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
 // (x, run) = (tl, la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold
-// tile's update(c) rescales by the same value.
+// tile's update(c) rescales by the same value. moved: p1_frame's vote; without it c = m and a = 1 in
+// every row, and the warp skips the two exp2s (in the exact build ~40 instructions, on most steps).
 __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
                                             float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused,
-                                            float& a_lo, float& a_hi) {
-    a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
-    a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
+                                            bool moved, float& a_lo, float& a_hi) {
+    a_lo = a_hi = 1.0f;
+    if (moved) {
+        a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
+        a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
+    }
     const bool hp_lo = wr.run_lo & (x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused)));  // as in p1_frame
     const bool hp_hi = wr.run_hi & (x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused)));
     return __any_sync(0xFFFFFFFFu, hp_lo | hp_hi);
 }
 
 // §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f), lv ⊕= tv ⊗ the same.
-// (The caller sets the hot bit and zeroes P̂, so the tile adds nothing to o.)
+// (The caller sets the hot bit and zeroes P̂, so the tile adds nothing to o.) moved: as in
+// p1_hot_test; without it c = m, so f = m (δ ≥ 0, which the config requires) and b = 1.
 template <int NDN>
-__device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, float& m, P1Sums& r,
-                                              float (&o)[NDN][4], int half, bool fused) {
-    const float f = fmaxf(m, fsub(c, delta));
-    const float b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
-    p1_update(f, m, r, o, half);
+__device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, bool moved, float& m,
+                                              P1Sums& r, float (&o)[NDN][4], int half, bool fused) {
+    float b = 1.0f;
+    if (moved) {
+        const float f = fmaxf(m, fsub(c, delta));
+        b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
+        p1_update(f, m, r, o, half);
+    }
     r.la = madd(tl, b, r.la, fused);
     r.lv = madd(tv, b, r.lv, fused);
 }
 
 // §7.8 cold branch for one row: frame c (a = exp2(m ⊖ c) from the hot test), la ⊕= tl, lv ⊕= tv,
-// lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass); the caller's P̂·V̂ adds to o.
+// lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass); the caller's P̂·V̂ adds to o. moved: as in
+// p1_hot_test (without it c = m: no update, and no divergent branch to find that out).
 template <int NDN>
-__device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, float& m,
-                                               P1Sums& r, float (&o)[NDN][4], int half) {
-    p1_update_by(c, a, m, r, o, half);
+__device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, bool moved,
+                                               float& m, P1Sums& r, float (&o)[NDN][4], int half) {
+    if (moved) p1_update_by(c, a, m, r, o, half);
     r.la = fadd(r.la, tl);
     r.lv = fadd(r.lv, tv);
     r.lc = fadd(r.lc, tl);
@@ -512,7 +523,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
                 }
             }
             float gm_lo[4], gm_hi[4], c_lo, c_hi;
-            p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
+            const bool moved = p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
             // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
             // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
             const float gsel[2] = {
@@ -556,19 +567,19 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
             }
             float a_lo, a_hi;
             const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps,
-                                                    a.fma, a_lo, a_hi)
+                                                    a.fma, moved, a_lo, a_hi)
                                       : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps,
-                                                    a.fma, a_lo, a_hi);
+                                                    a.fma, moved, a_lo, a_hi);
             if (hot) {
-                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, m_lo, r_lo, o, 0, a.fma);
-                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, m_hi, r_hi, o, 1, a.fma);
+                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, moved, m_lo, r_lo, o, 0, a.fma);
+                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, moved, m_hi, r_hi, o, 1, a.fma);
                 if (wr.lane == 0) atomicOr(hot_w + (t >> 5), 1u << (t & 31));
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
             } else {
                 const float mass_lo = p1_group_mass(my_mass_lo), mass_hi = p1_group_mass(my_mass_hi);
-                p1_cold_branch(c_lo, a_lo, tl_lo, tv_lo, mass_lo, m_lo, r_lo, o, 0);
-                p1_cold_branch(c_hi, a_hi, tl_hi, tv_hi, mass_hi, m_hi, r_hi, o, 1);
+                p1_cold_branch(c_lo, a_lo, tl_lo, tv_lo, mass_lo, moved, m_lo, r_lo, o, 0);
+                p1_cold_branch(c_hi, a_hi, tl_hi, tv_hi, mass_hi, moved, m_hi, r_hi, o, 1);
             }
 #if APA_TRACE
             if (trace_base != nullptr) {
