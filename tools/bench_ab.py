@@ -19,7 +19,6 @@ from it is refused at its first launch (apa_gpu.device).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -30,15 +29,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 MODES = ("exact", "fast")
 SAVED = ("out", "hot", "bound")
-
-
-def _bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "tools" / "bench_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def source_dir(src: str, work: Path) -> Path:
@@ -63,7 +56,10 @@ def worker(args) -> None:
     from apa_gpu.plan import Plan
 
     be = device.backend()
-    launch_times = _bench_gpu().launch_times if be.name == "cuda" else None
+    if be.name == "cuda":
+        from bench_gpu import launch_times
+    else:
+        launch_times = None
     for family in args.family:
         z = np.load(args.work / f"inputs_{family}.npz")
         (n, H, d), (S, Hkv, _) = z["q"].shape, z["k"].shape
@@ -85,7 +81,8 @@ def compare(work: Path, base: str, other: str, family: str, mode: str) -> str:
     for key in SAVED:
         x, y = a[key], b[key]
         same = x.shape == y.shape and np.array_equal(x.view(np.uint8), y.view(np.uint8))
-        parts.append(f"{key} " + ("EQUAL" if same else f"DIFF ({int((x != y).sum())} elements)"))
+        bits = f"u{x.dtype.itemsize}"  # elements whose bits differ (a NaN equals its own bits)
+        parts.append(f"{key} " + ("EQUAL" if same else f"DIFF ({int((x.view(bits) != y.view(bits)).sum())} elements)"))
     return ", ".join(parts)
 
 
