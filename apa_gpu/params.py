@@ -10,6 +10,7 @@ silently rebind.
 from __future__ import annotations
 
 import numbers
+import struct
 
 import numpy as np
 
@@ -34,7 +35,17 @@ class Struct:
     def __init__(self, name: str, fields: list[tuple[str, object]]):
         self.name = name
         self.fields = tuple(fields)
+        self._names = {f for f, _ in self.fields}
         self.dtype = np.dtype([(f, t.dtype if isinstance(t, Struct) else t) for f, t in self.fields], align=True)
+        # One struct-module format for the whole record, nested structs flattened and C's padding as pad
+        # bytes: a launch packs its values in one call (a NumPy field assignment each cost ~2 µs of host
+        # time per field, which the GPU waited for between short launches).
+        self._leaves = self._flat_fields(0, "")
+        fmt, at = "<", 0
+        for _, off, code in self._leaves:
+            fmt += f"{off - at}x{code}"
+            at = off + struct.calcsize(code)
+        self._format = struct.Struct(fmt + f"{self.dtype.itemsize - at}x")
 
     def layout(self) -> list[int]:
         """What cuda/params.cuh APA_PARAMS_LAYOUT exports: the size, then each field's offset, size
@@ -48,31 +59,59 @@ class Struct:
     def nested(self) -> list[Struct]:
         return [t for _, t in self.fields if isinstance(t, Struct)]
 
+    _CODE = {np.dtype(PTR): "Q", np.dtype(I32): "i", np.dtype(I64): "q", np.dtype(F32): "f"}
+
+    def _flat_fields(self, base: int, prefix: str) -> list[tuple[str, int, str]]:
+        """(dotted name, byte offset, struct-module code) of every scalar field, in order."""
+        out = []
+        for f, t in self.fields:
+            off = base + self.dtype.fields[f][1]
+            if isinstance(t, Struct):
+                out += t._flat_fields(off, f"{prefix}{f}.")
+            else:
+                out.append((prefix + f, off, self._CODE[np.dtype(t)]))
+        return out
+
     def pack(self, values: dict, address) -> np.ndarray:
         """The struct as a one-element array (what CuPy passes by value). ``values`` names every
         field: a nested struct as a dict, a pointer as a device array (``address`` gives its
         address) or None (null), anything else as a number."""
-        out = np.zeros(1, self.dtype)
-        self._fill(out, values, address)
-        return out
+        flat: list = []
+        self._flatten(values, address, flat)
+        try:
+            packed = self._format.pack(*flat)
+        except struct.error:  # a number outside its field's type
+            for (name, _, code), v in zip(self._leaves, flat):
+                try:
+                    struct.pack(code, v)
+                except struct.error as e:
+                    raise ValueError(f"{self.name}.{name}: {v} is out of range ({e})") from None
+            raise
+        return np.frombuffer(bytearray(packed), self.dtype)
 
-    def _fill(self, out: np.ndarray, values: dict, address) -> None:
-        names = [f for f, _ in self.fields]
-        if set(values) != set(names):
-            missing, extra = sorted(set(names) - set(values)), sorted(set(values) - set(names))
+    def _flatten(self, values: dict, address, out: list) -> None:
+        if values.keys() != self._names:
+            missing, extra = sorted(self._names - values.keys()), sorted(values.keys() - self._names)
             raise TypeError(f"{self.name}: missing fields {missing}, unknown fields {extra}")
         for f, t in self.fields:
             v = values[f]
-            if isinstance(t, Struct):
-                t._fill(out[f], v, address)
+            if t.__class__ is Struct:
+                t._flatten(v, address, out)
             elif t is PTR:
-                if v is not None and isinstance(v, (numbers.Number, np.generic)):
+                if v is None:
+                    out.append(0)
+                elif isinstance(v, (numbers.Number, np.generic)):
                     raise TypeError(f"{self.name}.{f}: a pointer takes a device array or None, not {v!r}")
-                out[f] = 0 if v is None else address(v)
-            elif isinstance(v, (bool, numbers.Number, np.generic)):
-                out[f] = v
+                else:
+                    out.append(address(v))
+            elif v.__class__ in _SCALARS or isinstance(v, (numbers.Number, np.generic)):
+                out.append(float(v) if t is F32 else int(v))  # as NumPy's assignment converts
             else:
                 raise TypeError(f"{self.name}.{f}: expected a number, got {type(v).__name__}")
+
+
+# The scalar types the launches pass, tested by identity before the slower abstract-class check.
+_SCALARS = frozenset((bool, int, float, np.float32, np.int32, np.int64, np.bool_))
 
 
 # cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).

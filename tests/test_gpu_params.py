@@ -47,14 +47,65 @@ def test_pack_places_every_field_at_its_offset():
     assert p2["cert"]["cs"][0] == np.float32(2.0**-9) and p2["cert"]["delta"][0] == np.float32(32)
 
 
+def _random_values(struct, rng):
+    out = {}
+    for f, t in struct.fields:
+        if isinstance(t, Struct):
+            out[f] = _random_values(t, rng)
+        elif t is PTR:
+            out[f] = None if rng.random() < 0.2 else _Buf(int(rng.integers(1, 2**63)))
+        elif t is F32:
+            out[f] = [float(rng.standard_normal()), np.float32(rng.standard_normal() * 1e30), True][rng.integers(3)]
+        else:
+            info = np.iinfo(t)
+            out[f] = [int(rng.integers(info.min, info.max, endpoint=True)), np.int32(-7), False][rng.integers(3)]
+    return out
+
+
+def _read_back(rec, struct):
+    return {f: _read_back(rec[f], t) if isinstance(t, Struct) else rec[f][0] for f, t in struct.fields}
+
+
+def _expected(values, struct):
+    """Each value as NumPy's assignment to the field's dtype converts it; pointers as addresses."""
+    return {f: _expected(v, t) if isinstance(t, Struct) else (0 if v is None else v.addr) if t is PTR
+            else np.asarray(v).astype(t)[()] for (f, t), v in zip(struct.fields, values.values())}
+
+
+@pytest.mark.parametrize("struct", [PREP, PASS1, PASS2, FUSED, *probes.KERNELS.values()], ids=lambda s: s.name)
+def test_pack_round_trips_through_the_dtype(struct):
+    """Every field, nested ones too, reads back through the NumPy dtype (C's alignment: the layout the
+    module's export is checked against) as NumPy would have stored it, and padding bytes are zero."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        values = _random_values(struct, rng)
+        rec = struct.pack(values, lambda b: b.addr)
+        assert rec.shape == (1,) and rec.dtype == struct.dtype
+        got, want = _read_back(rec, struct), _expected(values, struct)
+        assert got == want
+        # the bytes that belong to no field are zero
+        mask = np.zeros(struct.dtype.itemsize, bool)
+
+        def cover(dt, base):
+            for f in dt.names:
+                sub, off = dt.fields[f][:2]
+                if sub.names:
+                    cover(sub, base + off)
+                else:
+                    mask[base + off: base + off + sub.itemsize] = True
+        cover(struct.dtype, 0)
+        assert not rec.view(np.uint8)[~mask].any()
+
+
 @pytest.mark.parametrize("values, what", [
     (dict(sz=SIZES), "missing"),
     (dict(sz=SIZES, pass2=_pass2_values(), extra=1), "unknown"),
     (dict(sz=SIZES, pass2=_pass2_values(q=0)), "pointer"),
     (dict(sz=SIZES, pass2=_pass2_values(qmul=_Buf(8))), "number"),
+    (dict(sz=SIZES | dict(S=2**31), pass2=_pass2_values()), r"^Pass2Params.sz.S: 2147483648 is out of range"),
 ])
 def test_pack_refuses(values, what):
-    with pytest.raises(TypeError, match=what):
+    with pytest.raises((TypeError, ValueError), match=what):
         PASS2.pack(values, lambda b: b.addr)
 
 
