@@ -89,8 +89,10 @@ class _Cuda:
         return tuple(int(x) for x in self.xp.ndarray((count,), np.int32, memptr=ptr).get())
 
     def launch(self, function, grid: tuple, block: int, params: np.ndarray, smem: int) -> None:
-        # CuPy passes a one-element NumPy array by value: its bytes are the struct.
-        function(grid, (block,), (params,), shared_mem=smem)
+        # CuPy passes a one-element NumPy array by value: its bytes are the struct. As a plain void
+        # element, not the structured one: CuPy reads the array's interface, whose field list NumPy
+        # builds anew for every nested field (~90 µs of host time per launch, measured on the H200's host).
+        function(grid, (block,), (params.view(np.dtype((np.void, params.itemsize))),), shared_mem=smem)
 
     def address(self, a) -> int:
         if not isinstance(a, self.xp.ndarray) or not a.flags.c_contiguous:
