@@ -241,7 +241,9 @@ class Layout(NamedTuple):
     visit_bytes: int  # trace records, checked against apa_emu.trace
     row_bytes: int
     kv_stats: int  # per-head certificate statistics, checked against apa_emu.prep (§5.7)
-    cert_threads: int  # block of apa_prep_cert: one thread per slot of a tile
+    k_threads: int  # block of apa_prep_k: one thread per slot of a tile
+    v_threads: int  # block of apa_prep_v: one tile
+    v_smem: int  # its dynamic shared memory
     p1_carry: int  # pass 1's per-row state between the bounded schedule's launches (§6.7), binary32s
     tensor_map_bytes: int  # checked against TENSOR_MAP_BYTES
 

@@ -124,7 +124,7 @@ KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", 
 # cuda/common.cuh TileSpan: the tiles a launch forms or visits, and their slots in the key images (§6.7).
 TILE_SPAN = Struct("TileSpan", [("lo", I32), ("hi", I32), ("sink", I32), ("first", I32), ("stride", I32)])
 
-# cuda/apa.cu PrepParams: the six prep kernels (§5).
+# cuda/apa.cu PrepParams: the five prep kernels (§5).
 PREP = Struct("PrepParams", [
     ("sz", GEOM_SIZES),
     ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
@@ -163,7 +163,6 @@ FUSED = Struct("FusedParams", [
 
 # cuda/apa.cu's entry points and the struct each takes.
 KERNELS = {
-    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v",
-                     "apa_prep_cert"), PREP),
+    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v"), PREP),
     "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
 }

@@ -24,7 +24,7 @@ SCHEDULES = ("separate", "fused", "bounded")
 SEGMENT_TILES = 192
 # The seed's toggle the emulator alone models (numerics.md §12 #5): the kernel runs its default.
 EMULATED = ("k_stats",)
-PREP_THREADS = 128  # block of the per-element prep kernels (at most their __launch_bounds__)
+PREP_THREADS = 128  # block of apa_prep_q (at most its __launch_bounds__)
 
 
 def check_config(cfg: Config, d: int) -> None:
@@ -238,12 +238,10 @@ class Plan:
         """Pass 1's key images and the certificate's maxima of tiles lo .. hi-1 (§5.4–5.8)."""
         if hi <= lo:
             return
-        s, nb, bhd = self.shape, self.shape.d // 16, (self.shape.Hkv, self.shape.B)
+        lay, grid = self.layout, (hi - lo, self.shape.Hkv, self.shape.B)
         p = dict(self._prep_params, span=self._span(lo, hi, first))
-        tiles = hi - lo
-        self._launch("apa_prep_k", (cdiv(tiles * TILE * nb, PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_v", (cdiv(tiles * 4 * (s.d // 8), PREP_THREADS), *bhd), PREP_THREADS, p)
-        self._launch("apa_prep_cert", (tiles, *bhd), self.layout.cert_threads, p)
+        self._launch("apa_prep_k", grid, lay.k_threads, p)
+        self._launch("apa_prep_v", grid, lay.v_threads, p, lay.v_smem)
 
     def segments(self) -> list[tuple[int, int]]:
         """The bounded schedule's segments of tiles after the sink tile, in the order pass 1 visits

@@ -4,11 +4,11 @@
 // (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:
-//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v
-//   -> apa_prep_cert (after prep_k and prep_v: it reads their images)
+//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v (the images and the
+//   certificate's per-head maxima)
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge, reading K and V as given),
 // or the prep kernels, then apa_fused; or, bounded (§6.7), the statistics and apa_prep_q, then per
-// segment of tiles apa_prep_k, _v, _cert into the same images and apa_pass1_segment over it, then
+// segment of tiles apa_prep_k and _v into the same images and apa_pass1_segment over it, then
 // apa_pass2. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
@@ -90,25 +90,20 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
     prep_finalize(p.ksum, p.amax, p.kmean, p.scales, Geom(p.sz, blockIdx.y));
 }
 
-extern "C" __global__ void __launch_bounds__(128) apa_prep_k(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.pages, Geom(p.sz, blockIdx.z), p.span, p.quant_k != 0,
-                  p.lsq != 0, p.interleaved != 0);
+extern "C" __global__ void __launch_bounds__(K_THREADS) apa_prep_k(const __grid_constant__ PrepParams p) {
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.kvstat, p.pages, Geom(p.sz, blockIdx.z), p.span,
+                  p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(128) apa_prep_v(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_v, p.v, p.scales, p.vhat, p.pages, Geom(p.sz, blockIdx.z), p.span, p.quant_v != 0,
-                  p.lsq != 0, p.interleaved != 0, p.v_f16 != 0);
+extern "C" __global__ void __launch_bounds__(V_THREADS) apa_prep_v(const __grid_constant__ PrepParams p) {
+    APA_DYNAMIC_SMEM(smem);
+    APA_BY_LAYOUT(prep_v, smem, p.v, p.scales, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z), p.span,
+                  p.quant_v != 0, p.lsq != 0, p.interleaved != 0, p.v_f16 != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
     prep_q(p.q, p.kmean, p.scales, p.qhat, p.cq, p.sh, p.qstat, Geom(p.sz, blockIdx.z), p.qmul, p.q_mode, p.q_terms, p.lsq != 0,
            p.p2_lanes != 0, p.fma != 0, p.pad_vote != 0);
-}
-
-extern "C" __global__ void __launch_bounds__(CERT_THREADS) apa_prep_cert(const __grid_constant__ PrepParams p) {
-    __shared__ CertSmem sm;
-    APA_BY_LAYOUT(prep_cert, sm, p.k, p.v, p.kmean, p.scales, p.khat, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z),
-                  p.span, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
@@ -198,10 +193,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // Constants the host reads back (apa_gpu/device.py Layout) instead of repeating them: the CTA's
 // warps and the tile (§6.2, §6.3), the prep-statistics block and its keys per chunk, the dynamic
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
-// the trace record sizes (checked against apa_emu.trace's dtypes), pass 1's carried row state, and
+// the trace record sizes (checked against apa_emu.trace's dtypes), the blocks of apa_prep_k and
+// apa_prep_v and the latter's dynamic shared memory, pass 1's carried row state, and
 // the bytes of a tensor map (checked against apa_gpu/device.py's).
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
-                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, CERT_THREADS, P1_CARRY, TENSOR_MAP_BYTES);
+                P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, K_THREADS, V_THREADS, V_SMEM, P1_CARRY,
+                TENSOR_MAP_BYTES);
 
 APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
                   APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),

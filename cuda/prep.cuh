@@ -139,70 +139,105 @@ __device__ __forceinline__ void prep_finalize(const unsigned long long* __restri
     }
 }
 
-// §5.4 K̂ per key and 16-channel block, as FP16 (§5.6). One thread per (tile slot row, block):
-// grid (ceil((span.hi-span.lo)*64*D/16 / 128), Hkv, B), block 128.
+// §5.7: the block's per-key statistics st[i0 ..] (maxima of non-negative floats are maxima of their
+// bits: order-free) folded into kvstat, one atomic per warp and statistic. Every lane of the warp calls it.
+template <int N>
+__device__ __forceinline__ void kvstat_max(unsigned int* __restrict__ kvstat, size_t bh, int i0, float (&st)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) st[i] = fmaxf(st[i], __shfl_xor_sync(0xFFFFFFFFu, st[i], o));
+    }
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) atomicMax(&kvstat[bh * KV_STATS + i0 + i], __float_as_uint(st[i]));
+    }
+}
+
+// The keys some row sees (§5.7): the certificate's statistics are maxima over them.
+__device__ __forceinline__ bool cert_key(const Geom& g, int key) { return key < g.S && key >= g.lo(0); }
+
+// §5.4 K̂ as FP16 (§5.6) and §5.7's kn, ek, k2n. One thread per tile slot, its key's blocks in channel
+// order, so that the statistics' sums of squares (in channel order, §5.7) run alongside the blocks with
+// the values the image holds, without reading K or K̂ again: grid (span.hi − span.lo, Hkv, B), block
+// K_THREADS = TILE. Tiles below every window (§5.5) or past a shorter varlen sequence are never read.
+constexpr int K_THREADS = TILE;
 template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
-                                       const KvPages& pg, const Geom& g, const TileSpan& span, bool quant, bool lsq,
-                                       bool interleaved) {
-    constexpr int NB = D / 16;
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * TILE * NB);
-    if (idx >= (long long)min(span.hi, g.ntkv) * TILE * NB) return;
-    const int row = (int)(idx / NB), cb = (int)(idx % NB);
-    if (row / TILE < g.first_tile(0)) return;  // below every window (§5.5): never read
-    const int key = (row / TILE) * TILE + slot_key(row % TILE, interleaved);
-    uint16_t* img = khat + (bh * span.stride + span.slot(row / TILE)) * TILE * D;
-    const int slot = row % TILE;
-    float x[16];
-    if (key < g.S) {
-        const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
-        const long long src = kv_row<PAGED>(pg, g, b, key, hk);
-        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;  // a hole: zeros
-        if (!PAGED || src >= 0) {  // the block's 16 halves in two 16-byte loads
+                                       unsigned int* __restrict__ kvstat, const KvPages& pg, const Geom& g,
+                                       const TileSpan& span, bool quant, bool lsq, bool interleaved) {
+    const int b = blockIdx.z, hk = blockIdx.y, tile = span.lo + blockIdx.x, slot = threadIdx.x;
+    if (tile < g.first_tile(0) || tile >= min(span.hi, g.ntkv)) return;  // the whole block
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const int key = tile * TILE + slot_key(slot, interleaved);
+    const bool in = key < g.S;
+    uint16_t* img = khat + (bh * span.stride + span.slot(tile)) * TILE * D;
+    const long long src = in ? kv_row<PAGED>(pg, g, b, key, hk) : -1;  // a hole or past S: zeros
+    const float inv = fdiv(1.0f, scales[bh * 2 + 0]);                    // exact power of two
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+#pragma unroll 1
+    for (int cb = 0; cb < D / 16; ++cb) {
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (src >= 0) {  // the block's 16 halves in two 16-byte loads
             lo = *reinterpret_cast<const uint4*>(k + src + 16 * cb);
             hi = *reinterpret_cast<const uint4*>(k + src + 16 * cb + 8);
         }
         const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        float kv[16], x[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            const uint16_t h = (uint16_t)(w[i / 2] >> (16 * (i % 2)));
-            x[i] = fmul(fsub(f32h(h_from_bits(h)), kmean[bh * D + 16 * cb + i]), inv);
+            kv[i] = f32h(h_from_bits((uint16_t)(w[i / 2] >> (16 * (i % 2)))));
+            x[i] = in ? fmul(fsub(kv[i], kmean[bh * D + 16 * cb + i]), inv) : 0.0f;
         }
-    } else {
+        uint32_t out[8];
+        if (quant && in) {
+            float qv[16];
+            quant16(x, qv, lsq);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) x[i] = 0.0f;
+            for (int i = 0; i < 8; ++i) out[i] = f16x2(qv[2 * i], qv[2 * i + 1]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) out[i] = in ? f16x2(x[2 * i], x[2 * i + 1]) : 0u;
+        }
+        *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb, TILE)) = make_uint4(out[0], out[1], out[2], out[3]);
+        *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb + 8, TILE)) = make_uint4(out[4], out[5], out[6], out[7]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {  // kh: the image's value, which pass 1 multiplies
+            const float kh = f32h(i % 2 ? h2_hi(out[i / 2]) : h2_lo(out[i / 2]));
+            s0 = nrm_add(s0, kh);
+            s1 = nrm_add(s1, fsub(x[i], kh));
+            s2 = nrm_add(s2, kv[i]);
+        }
     }
-    uint32_t out[8];
-    if (quant && key < g.S) {
-        float qv[16];
-        quant16(x, qv, lsq);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = f16x2(qv[2 * i], qv[2 * i + 1]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) out[i] = key < g.S ? f16x2(x[2 * i], x[2 * i + 1]) : 0u;
-    }
-    *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb, TILE)) = make_uint4(out[0], out[1], out[2], out[3]);
-    *reinterpret_cast<uint4*>(img + sw128_half(slot, 16 * cb + 8, TILE)) = make_uint4(out[4], out[5], out[6], out[7]);
+    const bool counted = cert_key(g, key);
+    float st[3] = {counted ? nrm_end(s0) : 0.0f, counted ? nrm_end(s1) : 0.0f, counted ? nrm_end(s2) : 0.0f};
+    kvstat_max(kvstat, bh, 0, st);
 }
 
-// §5.5 V̂ per channel and P group of 16 keys (slot order), as FP16 (§5.6). One thread per (tile, group,
-// 8 channels): it loads its 16 keys' 8 channels as 16-byte rows (a warp reads 512 contiguous bytes per
-// load where one thread per channel issued 2-byte loads) and quantizes each channel's 16 values as one
-// block: grid (ceil((span.hi-span.lo)*4*D/8 / 128), Hkv, B), block 128.
+// §5.5 V̂ per channel and P group of 16 keys (slot order) as FP16 (§5.6), and §5.7's vn, ev (and §5.8's ν
+// under the output hot test, nu not null). One block of V_THREADS threads per tile, thread (group, 8
+// channels): it loads its 16 keys' 8 channels as 16-byte rows and quantizes each channel's 16 values as
+// one block. The statistics are sums over a key's channels in order, across the tile's threads: each
+// thread stages its raw values and the image's in shared memory (rows padded by one word, so that the
+// key threads' row reads hit distinct banks), and thread j then sums slot j's key. Grid
+// (span.hi − span.lo, Hkv, B); dynamic shared memory V_SMEM bytes.
+constexpr int V_THREADS = 4 * (D / 8);
+constexpr int V_ROW = D + 2;  // halves per staged row
+constexpr int V_SMEM = 2 * TILE * V_ROW * 2;
 template <bool PAGED>
-__device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const float* __restrict__ scales,
-                                       uint16_t* __restrict__ vhat, const KvPages& pg, const Geom& g, const TileSpan& span,
+__device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restrict__ v, const float* __restrict__ scales,
+                                       uint16_t* __restrict__ vhat, unsigned int* __restrict__ kvstat,
+                                       uint16_t* __restrict__ nu, const KvPages& pg, const Geom& g, const TileSpan& span,
                                        bool quant, bool lsq, bool interleaved, bool v_f16) {
     constexpr int NO = D / 8;  // channel octets
-    const auto [b, hk, bh, idx] = prep_thread(g, (long long)span.lo * 4 * NO);
-    if (idx >= (long long)min(span.hi, g.ntkv) * 4 * NO) return;
-    const int c0 = 8 * (int)(idx % NO);
-    const int grp = (int)((idx / NO) % 4);
-    const int t = (int)(idx / (4 * NO));
-    if (t < g.first_tile(0)) return;  // below every window (§5.5): never read
-    const float inv = fdiv(1.0f, scales[bh * 2 + 1]);  // exact power of two
+    const int b = blockIdx.z, hk = blockIdx.y, t = span.lo + blockIdx.x;
+    if (t < g.first_tile(0) || t >= min(span.hi, g.ntkv)) return;  // the whole block
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const int c0 = 8 * (threadIdx.x % NO), grp = threadIdx.x / NO;
+    uint16_t* raw_s = smem;               // [slot][V_ROW]: v
+    uint16_t* hat_s = smem + TILE * V_ROW;  // [slot][V_ROW]: the image's V̂
+    const float vg = scales[bh * 2 + 1], inv = fdiv(1.0f, vg);  // exact power of two
     uint4 raw[16];
     bool in[16], any = false;  // key < S; a hole inside S reads as zeros and counts
 #pragma unroll
@@ -212,6 +247,11 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
         any |= in[i];
         const long long row = in[i] ? kv_row<PAGED>(pg, g, b, key, hk) : -1;
         raw[i] = row >= 0 ? *reinterpret_cast<const uint4*>(v + row + c0) : make_uint4(0u, 0u, 0u, 0u);
+        uint32_t* dst = reinterpret_cast<uint32_t*>(raw_s + (16 * grp + i) * V_ROW + c0);  // 4-byte aligned rows
+        dst[0] = raw[i].x;
+        dst[1] = raw[i].y;
+        dst[2] = raw[i].z;
+        dst[3] = raw[i].w;
     }
     uint16_t* img = vhat + (bh * span.stride + span.slot(t)) * TILE * D;
 #pragma unroll
@@ -232,7 +272,28 @@ __device__ __forceinline__ void prep_v(const uint16_t* __restrict__ v, const flo
             out[i] = f16x2(in[2 * i] ? (qz ? qv[2 * i] : x[2 * i]) : 0.0f, in[2 * i + 1] ? (qz ? qv[2 * i + 1] : x[2 * i + 1]) : 0.0f);
         *reinterpret_cast<uint4*>(img + sw128_half(c0 + j, 16 * grp, D)) = make_uint4(out[0], out[1], out[2], out[3]);
         *reinterpret_cast<uint4*>(img + sw128_half(c0 + j, 16 * grp + 8, D)) = make_uint4(out[4], out[5], out[6], out[7]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            hat_s[(16 * grp + i) * V_ROW + c0 + j] = (uint16_t)(out[i / 2] >> (16 * (i % 2)));
     }
+    __syncthreads();
+    float st[2] = {0.0f, 0.0f};
+    for (int j = threadIdx.x; j < TILE; j += V_THREADS) {  // slot j's key: every channel in order
+        const int key = t * TILE + slot_key(j, interleaved);
+        float s3 = 0.0f, s4 = 0.0f;
+        for (int c = 0; c < D; ++c) {
+            const float vv = f32h(h_from_bits(raw_s[j * V_ROW + c]));
+            const float vh = f32h(h_from_bits(hat_s[j * V_ROW + c]));
+            s3 = nrm_add(s3, vv);
+            s4 = nrm_add(s4, fsub(vv, fmul(vh, vg)));
+        }
+        const bool counted = cert_key(g, key);
+        const float vn = counted ? nrm_end(s3) : 0.0f;
+        st[0] = fmaxf(st[0], vn);
+        st[1] = fmaxf(st[1], counted ? nrm_end(s4) : 0.0f);
+        if (nu != nullptr) nu[(bh * span.stride + span.slot(t)) * TILE + j] = counted ? h_bits(f16(fmul(vn, inv))) : 0;  // §5.8
+    }
+    kvstat_max(kvstat, bh, 3, st);
 }
 
 // §5.3 Q̂ (as FP16, §5.6), c_q and the row shift sh. D/16 threads per packed row (one per
@@ -343,115 +404,6 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
         }
         cq[bh * g.Rp_buf + r] = formed ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
         sh[bh * g.Rp_buf + r] = s;
-    }
-}
-
-// §5.7 per-key statistics of the certificate: kn, ek, k2n, vn, ev, maxima over the keys lo₀ ≤ s < S of
-// norms in channel order. One block of CERT_THREADS = 64 threads per tile, thread j the tile's slot j
-// (key 64t + slot_key(j)): grid (span.hi − span.lo, Hkv, B). The tile's K rows and K̂ image, then its V rows and
-// V̂ image, are staged in shared memory with coalesced loads (rows padded by one word, so that the
-// threads' row reads hit distinct banks); each thread then sums its key's channels in order. K̂ and V̂
-// are read back from their images, so they are the values pass 1 multiplies; y is recomputed as
-// prep_k computes it. Maxima of non-negative floats are maxima of their bits: order-free. Under the
-// output hot test (nu not null) the same per-key norm of v gives §5.8's ν, stored in slot order.
-constexpr int CERT_THREADS = TILE;
-constexpr int CERT_ROW = D + 2;  // halves per staged row
-constexpr int CERT_BATCH = 8;    // staged 16-byte chunks in flight per thread (TILE·D/8 / CERT_THREADS is a multiple):
-                                 // the loads, not the sums, bound this kernel
-// The block's staging buffers, declared once by the kernel: a __shared__ array inside prep_cert would be
-// allocated once per layout instantiation, twice the shared memory, half the resident blocks.
-struct CertSmem {
-    uint32_t rows_w[TILE * CERT_ROW / 2];    // the tile's K (then V) rows, by key
-    alignas(16) uint32_t img_w[TILE * D / 2];  // its K̂ (then V̂ᵀ) image
-    long long key_rows[TILE];
-};
-template <bool PAGED>
-__device__ __forceinline__ void prep_cert(CertSmem& sm, const uint16_t* __restrict__ k, const uint16_t* __restrict__ v,
-                                          const float* __restrict__ kmean, const float* __restrict__ scales,
-                                          const uint16_t* __restrict__ khat, const uint16_t* __restrict__ vhat,
-                                          unsigned int* __restrict__ kvstat, uint16_t* __restrict__ nu,
-                                          const KvPages& pg, const Geom& g, const TileSpan& span,
-                                          bool interleaved) {
-    uint32_t* rows_w = sm.rows_w;
-    uint32_t* img_w = sm.img_w;
-    uint16_t* rows = reinterpret_cast<uint16_t*>(rows_w);
-    uint16_t* img = reinterpret_cast<uint16_t*>(img_w);
-    const int b = blockIdx.z, hk = blockIdx.y, tile = span.lo + blockIdx.x, j = threadIdx.x;
-    if (tile < g.first_tile(0) || tile >= min(span.hi, g.ntkv)) return;  // the whole block: below every window (§5.5), or
-                                                            // past a shorter varlen sequence's keys
-    const size_t bh = (size_t)b * g.Hkv + hk;
-    const int kk = slot_key(j, interleaved), key = tile * TILE + kk;
-    const bool valid = key < g.S && key >= g.lo(0);  // the keys some row sees (§5.7)
-    float st[KV_STATS] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    long long* key_rows = sm.key_rows;  // ordered by the first __syncthreads below
-    kv_rows<PAGED>(key_rows, pg, g, b, hk, tile * TILE, TILE);
-    for (int phase = 0; phase < 2; ++phase) {  // 0: K and K̂; 1: V and V̂ᵀ
-        const uint16_t* src = phase ? v : k;
-        const uint16_t* im = (phase ? vhat : khat) + (bh * span.stride + span.slot(tile)) * TILE * D;
-        __syncthreads();  // the previous phase's reads are done
-        // Chunk e: key e / (D/8), channels 8 (e % (D/8)) on. CERT_BATCH chunks' loads are issued
-        // before their shared-memory stores, which the compiler would not move the loads across.
-        for (int e0 = j; e0 < TILE * D / 8; e0 += CERT_BATCH * CERT_THREADS) {
-            uint4 w[CERT_BATCH], wi[CERT_BATCH];
-#pragma unroll
-            for (int u = 0; u < CERT_BATCH; ++u) {
-                const int e = e0 + u * CERT_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
-                const long long row = key_rows[r];  // past S or a hole: zeros
-                w[u] = row >= 0 ? *reinterpret_cast<const uint4*>(src + row + c) : make_uint4(0u, 0u, 0u, 0u);
-                wi[u] = reinterpret_cast<const uint4*>(im)[e];
-            }
-#pragma unroll
-            for (int u = 0; u < CERT_BATCH; ++u) {
-                const int e = e0 + u * CERT_THREADS, r = e / (D / 8), c = 8 * (e % (D / 8));
-                uint32_t* dst = rows_w + (r * CERT_ROW + c) / 2;  // rows padded by a word: 4-byte stores
-                dst[0] = w[u].x;
-                dst[1] = w[u].y;
-                dst[2] = w[u].z;
-                dst[3] = w[u].w;
-                reinterpret_cast<uint4*>(img_w)[e] = wi[u];
-            }
-        }
-        __syncthreads();
-        if (!valid) {
-            if (phase && nu != nullptr) nu[(bh * span.stride + span.slot(tile)) * TILE + j] = 0;  // §5.8: +0
-            continue;
-        }
-        const uint16_t* row = rows + kk * CERT_ROW;
-        if (phase == 0) {
-            const float inv = fdiv(1.0f, scales[bh * 2 + 0]);  // exact power of two
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
-            for (int c = 0; c < D; ++c) {
-                const float kv = f32h(h_from_bits(row[c]));
-                const float kh = f32h(h_from_bits(img[sw128_half(j, c, TILE)]));
-                s0 = nrm_add(s0, kh);
-                s1 = nrm_add(s1, fsub(fmul(fsub(kv, kmean[bh * D + c]), inv), kh));
-                s2 = nrm_add(s2, kv);
-            }
-            st[0] = nrm_end(s0);
-            st[1] = nrm_end(s1);
-            st[2] = nrm_end(s2);
-        } else {
-            const float vg = scales[bh * 2 + 1];
-            float s3 = 0.0f, s4 = 0.0f;
-            for (int c = 0; c < D; ++c) {
-                const float vv = f32h(h_from_bits(row[c]));
-                const float vh = f32h(h_from_bits(img[sw128_half(c, j, D)]));
-                s3 = nrm_add(s3, vv);
-                s4 = nrm_add(s4, fsub(vv, fmul(vh, vg)));
-            }
-            st[3] = nrm_end(s3);
-            st[4] = nrm_end(s4);
-            if (nu != nullptr) nu[(bh * span.stride + span.slot(tile)) * TILE + j] = h_bits(f16(fmul(st[3], fdiv(1.0f, vg))));
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < KV_STATS; ++i) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) st[i] = fmaxf(st[i], __shfl_xor_sync(0xFFFFFFFFu, st[i], o));
-    }
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int i = 0; i < KV_STATS; ++i) atomicMax(&kvstat[bh * KV_STATS + i], __float_as_uint(st[i]));
     }
 }
 

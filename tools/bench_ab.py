@@ -9,9 +9,9 @@ with ``git archive``; the first is the baseline. Each source runs in a process o
 APA_GPU_SOURCES pointing at it (the build cache keys on the sources' contents), round by round: base,
 new, ..., base, new, ..., so that a drift of the machine shows in every column, and the first kernel
 timed in a process is not always the same one. Times are medians of --reps CUDA-event timings of each
-launch of ``attend`` after ``prep`` (tools/bench_gpu.py ``launch_times``), for the exact and the fast
-build, on the inputs of tools/bench_gpu.py. Then every variant's output, hot masks and error bounds are
-compared with the baseline's, bits and all: a change meant to be scheduling only must read EQUAL
+launch of ``prep`` (and their sum) and of ``attend`` (tools/bench_gpu.py ``launch_times``), for the exact
+and the fast build, on the inputs of tools/bench_gpu.py. Then every variant's output, hot masks, error
+bounds and the certificate's per-head statistics are compared with the baseline's, bits and all: a change meant to be scheduling only must read EQUAL
 everywhere. The host code is this checkout's: a source whose parameter structs or exported layout differ
 from it is refused at its first launch (apa_gpu.device).
 """
@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 MODES = ("exact", "fast")
-SAVED = ("out", "hot", "bound")
+SAVED = ("out", "hot", "bound", "kvstat")
 
 
 def source_dir(src: str, work: Path) -> Path:
@@ -67,8 +67,13 @@ def worker(args) -> None:
         for mode in args.modes:
             cfg = Config(eps=args.eps) if mode == "exact" else Config(eps=args.eps, exp2="fast")
             plan = Plan(Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=int(z["q_offset"])), cfg)
+            times = {}
+            if launch_times:
+                times = launch_times(plan, lambda: plan.prep(qd, kd, vd), args.reps)
+                times = {"prep": sum(times.values())} | times
             plan.prep(qd, kd, vd)
-            times = launch_times(plan, lambda: plan.attend(qd), args.reps) if launch_times else {}
+            if launch_times:
+                times |= launch_times(plan, lambda: plan.attend(qd), args.reps)
             plan.attend(qd)
             np.savez(args.work / f"{args.worker}_{family}_{mode}.npz",
                      **{k: be.xp.asnumpy(getattr(plan, k)) for k in SAVED})
@@ -155,15 +160,18 @@ def run_all(args, work: Path, families, synthetic_preset) -> list[str]:
         lines += [f"| family | mode | kernel | {head} |", "|---|---|---|" + "---:|" * len(dirs)]
     for family in args.family:
         for mode in args.modes:
-            for kernel in times[(0, family, mode)][0]:
+            kernels = dict.fromkeys(k for i in range(len(dirs)) for t in times[(i, family, mode)] for k in t)
+            for kernel in kernels:  # a kernel that a source does not launch reads "—"
                 cells = []
                 for i in range(len(dirs)):
-                    runs = [t[kernel] for t in times[(i, family, mode)]]
-                    cell = " / ".join(f"{t:.3f}" for t in runs)
-                    base = np.mean([t[kernel] for t in times[(0, family, mode)]])
-                    cells.append(cell if i == 0 else f"{cell} ({100 * (np.mean(runs) / base - 1):+.1f} %)")
+                    runs = [t[kernel] for t in times[(i, family, mode)] if kernel in t]
+                    cell = " / ".join(f"{t:.3f}" for t in runs) or "—"
+                    base = [t[kernel] for t in times[(0, family, mode)] if kernel in t]
+                    if i and runs and base:
+                        cell += f" ({100 * (np.mean(runs) / np.mean(base) - 1):+.1f} %)"
+                    cells.append(cell)
                 lines.append(f"| {family} | {mode} | {kernel.removeprefix('apa_')} | " + " | ".join(cells) + " |")
-    lines += [""] * timed + ["Outputs, hot masks and error bounds against the baseline's, bits:", ""]
+    lines += [""] * timed + ["Outputs, hot masks, error bounds and kvstat against the baseline's, bits:", ""]
     for i in range(1, len(dirs)):
         for family in args.family:
             for mode in args.modes:
