@@ -13,6 +13,7 @@ _MMA_FIELDS = [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR), ("ntiles", I32)]
 MMA_F32 = Struct("ProbeMmaF32Params", _MMA_FIELDS)
 MMA_F16 = Struct("ProbeMmaF16Params", _MMA_FIELDS)
 WGMMA = Struct("ProbeWgmmaParams", [("A", PTR), ("B", PTR), ("D0", PTR), ("D1", PTR)])
+WGMMA_F16 = Struct("ProbeWgmmaF16Params", [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR)])
 EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode", I32)])
 CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
 QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("q", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
@@ -24,6 +25,7 @@ MERGE = Struct("ProbeMergeParams", [("m1", PTR), ("l1", PTR), ("part", PTR), ("m
                                     ("out", PTR), ("count", I64), ("fma", I32)])
 # cuda/probe.cu's entry points and the struct each takes.
 KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_wgmma": WGMMA,
+           "apa_probe_wgmma_f16": WGMMA_F16,
            "apa_probe_exp2": EXP2,
            "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES,
            "apa_probe_pscale": PSCALE, "apa_probe_merge": MERGE}
@@ -61,6 +63,16 @@ def run_probe_wgmma(A, B):
     D0, D1 = xp.empty((T, 64, 64), np.float32), xp.empty((T, 64, 64), np.float32)
     _run("apa_probe_wgmma", T, 128, dict(A=Ad, B=Bd, D0=D0, D1=D1))
     return xp.asnumpy(D0), xp.asnumpy(D1)
+
+
+def run_probe_wgmma_f16(A, B, C):
+    """wgmma m64n64k16 with FP16 accumulation, A from registers, on the GPU for tiles A [T,64,16],
+    B [T,64,16] (B[n][k]) and C [T,64,64] (binary16 bits or float16): D like C, float16."""
+    xp = device.backend().xp
+    Ad, Bd, Cd = (xp.asarray(np.ascontiguousarray(x).view(np.uint16)) for x in (A, B, C))
+    D = xp.empty(Cd.shape, np.uint16)
+    _run("apa_probe_wgmma_f16", Ad.shape[0], 128, dict(A=Ad, B=Bd, C=Cd, D=D))
+    return xp.asnumpy(D).view(np.float16)
 
 
 def run_probe_exp2(x, variant: str = "soft"):

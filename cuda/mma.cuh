@@ -275,6 +275,30 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
 #endif
 }
 
+// acc += A.B over one k16 step with FP16 accumulation (one RNE to binary16 per step, as mma_f16_acc),
+// A from registers (mma.sync's A fragment), B (64 keys) from an image; acc[nt] is mma_f16_acc's C
+// fragment of n-tile nt (rows g and g + 8 of the warp, as packed pairs). The probe of pass 2's FP16
+// chains on wgmma (tests/test_gpu_mma.py test_wgmma_f16_accumulation_is_the_mma_step: the same step as
+// mma.sync's on the H200). Pass 2 does not use it: its scores on it, every warp of a slice joining each
+// tile of the slice's union, measured 7-17 % slower (docs/benchmarks.md).
+__device__ __forceinline__ void wgmma_rs_f16_n64(uint32_t (&acc)[8][2], const uint32_t (&a)[4], WgOperand b) {
+#ifdef APA_SIM
+    const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;
+    for (int nt = 0; nt < 8; ++nt)
+        apa_sim::mma_f16(acc[nt], a, wg_pair(b, 8 * nt + g, 2 * t0), wg_pair(b, 8 * nt + g, 2 * t0 + 8));
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f16.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15},"
+        " {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+r"(acc[0][0]), "+r"(acc[0][1]), "+r"(acc[1][0]), "+r"(acc[1][1]), "+r"(acc[2][0]), "+r"(acc[2][1]),
+          "+r"(acc[3][0]), "+r"(acc[3][1]), "+r"(acc[4][0]), "+r"(acc[4][1]), "+r"(acc[5][0]), "+r"(acc[5][1]),
+          "+r"(acc[6][0]), "+r"(acc[6][1]), "+r"(acc[7][0]), "+r"(acc[7][1])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b.d), "r"(1));
+#endif
+}
+
 // Ready flags of the fused launch: a release store and an acquire load at gpu scope.
 __device__ __forceinline__ void flag_release(unsigned int* p) {
 #ifdef APA_SIM

@@ -36,6 +36,15 @@ struct ProbeWgmmaParams {
     float* D1;
 };
 
+// One wgmma m64n64k16 with FP16 accumulation per tile (pass 2's scores, §8.1): A [64][16] from
+// registers, B [64][16] (B[n][k]) from an image, C and D [64][64], all binary16 bits.
+struct ProbeWgmmaF16Params {
+    const uint16_t* A;
+    const uint16_t* B;
+    const uint16_t* C;
+    uint16_t* D;
+};
+
 struct ProbeExp2Params {
     const float* x;
     float* y;
@@ -167,6 +176,38 @@ extern "C" __global__ void __launch_bounds__(128) apa_probe_wgmma(const __grid_c
         }
 }
 
+extern "C" __global__ void __launch_bounds__(128) apa_probe_wgmma_f16(const __grid_constant__ ProbeWgmmaF16Params p) {
+    struct __align__(1024) Image {  // the 128-byte swizzle's period
+        uint16_t h[64 * 64];
+    };
+    __shared__ Image sm;
+    const size_t tile = blockIdx.x;
+    for (int i = threadIdx.x; i < 64 * 64; i += 128) {
+        const int r = i / 64, c = i % 64;
+        sm.h[sw128_half(r, c, 64)] = c < 16 ? p.B[(tile * 64 + r) * 16 + c] : 0;
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3, w = threadIdx.x >> 5;
+    uint32_t a[4], unused0, unused1;
+    probe_frags(p.A + (tile * 64 + 16 * w) * 16, p.B, a, unused0, unused1);  // the warp's 16 rows of A
+    const uint16_t* c = p.C + (tile * 64 + 16 * w) * 64;
+    auto pk = [](uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); };
+    uint32_t acc[8][2];
+    for (int nt = 0; nt < 8; ++nt) {
+        acc[nt][0] = pk(c[g * 64 + 8 * nt + 2 * t0], c[g * 64 + 8 * nt + 2 * t0 + 1]);
+        acc[nt][1] = pk(c[(g + 8) * 64 + 8 * nt + 2 * t0], c[(g + 8) * 64 + 8 * nt + 2 * t0 + 1]);
+    }
+    wg_fence();
+    wgmma_rs_f16_n64(acc, a, wg_operand(sm.h));
+    wg_commit();
+    wg_wait<0>();
+    uint16_t* d = p.D + (tile * 64 + 16 * w) * 64;
+    for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e)
+            d[(g + 8 * (e >> 1)) * 64 + 8 * nt + 2 * t0 + (e & 1)] = (uint16_t)(acc[nt][e >> 1] >> (16 * (e & 1)));
+}
+
 // exp2s (mode 0), ex2.approx.ftz (mode 1), exp2s_core (mode 2, x in [0, 1)) or exp2s_nonpos (mode 3,
 // x ≤ 0) of every element.
 extern "C" __global__ void apa_probe_exp2(const __grid_constant__ ProbeExp2Params p) {
@@ -237,6 +278,8 @@ APA_PARAMS_LAYOUT(ProbeMmaF16Params, APA_FIELD(ProbeMmaF16Params, A), APA_FIELD(
                   APA_FIELD(ProbeMmaF16Params, ntiles));
 APA_PARAMS_LAYOUT(ProbeWgmmaParams, APA_FIELD(ProbeWgmmaParams, A), APA_FIELD(ProbeWgmmaParams, B),
                   APA_FIELD(ProbeWgmmaParams, D0), APA_FIELD(ProbeWgmmaParams, D1));
+APA_PARAMS_LAYOUT(ProbeWgmmaF16Params, APA_FIELD(ProbeWgmmaF16Params, A), APA_FIELD(ProbeWgmmaF16Params, B),
+                  APA_FIELD(ProbeWgmmaF16Params, C), APA_FIELD(ProbeWgmmaF16Params, D));
 APA_PARAMS_LAYOUT(ProbeExp2Params, APA_FIELD(ProbeExp2Params, x), APA_FIELD(ProbeExp2Params, y),
                   APA_FIELD(ProbeExp2Params, count), APA_FIELD(ProbeExp2Params, mode));
 APA_PARAMS_LAYOUT(ProbeCodesParams, APA_FIELD(ProbeCodesParams, x), APA_FIELD(ProbeCodesParams, e2m1),

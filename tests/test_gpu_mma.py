@@ -16,7 +16,7 @@ from numba import njit
 
 from apa_emu.mma import mma_sm90_f16, mma_sm90_f32
 
-from apa_gpu.probes import run_probe_mma, run_probe_wgmma
+from apa_gpu.probes import run_probe_mma, run_probe_wgmma, run_probe_wgmma_f16
 
 # The simulator computes mma.sync with its own port of the emulator's model: only the device tells.
 pytestmark = [pytest.mark.gpu, pytest.mark.hardware]
@@ -252,3 +252,23 @@ def test_wgmma_scale_d_zero():
     emu = emu.reshape(T, 4, 8, 16, 8).transpose(0, 1, 3, 2, 4).reshape(T, 64, 64)
     assert_same(d1, emu, "wgmma from C = +0 against the sm90 model")
     assert (bits(d0[T // 3:]) == 0).all(), "sums of −0 products and exact cancellations must give +0"
+
+
+@pytest.mark.parametrize("kind", ["bits", "finite", "cancel"])
+def test_wgmma_f16_accumulation_is_the_mma_step(kind):
+    """Pass 2's score step (§8.1): wgmma m64n64k16 with FP16 accumulation and A from registers equals
+    the sm90 model's m16n8k16 FP16 step (mma_f16_acc) on every 16-row and 8-column block, from any C."""
+    rng = np.random.default_rng(99 + hash(kind) % 1000)
+    T = max(2, N_RANDOM // 256)
+    A_, B_, _ = _random_tiles(kind, 8 * T, True, rng)
+    A, B = A_[: 4 * T].reshape(T, 64, 16), B_.reshape(T, 64, 16)
+    C = rng.integers(0, 1 << 16, (T, 64, 64), dtype=np.uint16)
+    if kind != "bits":
+        C = np.where((C & 0x7C00) == 0x7C00, C & 0x83FF, C)
+    C = C.view(np.float16)
+    d = run_probe_wgmma_f16(A, B, C)
+    At = A.reshape(T, 4, 1, 16, 16).repeat(8, 2).reshape(-1, 16, 16)
+    Bt = B.reshape(T, 1, 8, 8, 16).repeat(4, 1).reshape(-1, 8, 16)
+    Ct = C.reshape(T, 4, 16, 8, 8).transpose(0, 1, 3, 2, 4).reshape(-1, 16, 8)
+    emu = emulate(At, Bt, Ct, True).reshape(T, 4, 8, 16, 8).transpose(0, 1, 3, 2, 4).reshape(T, 64, 64)
+    assert_same(d, emu, f"wgmma f16 accumulation, {kind} tiles")
