@@ -35,24 +35,12 @@ __device__ __forceinline__ float nrm_end(float ss) {
 }
 
 // The block's threads set rows[i] = kv_row of key key0 + i (−1 past S) for i < n: one table lookup
-// per key and block, where the steps below read each key's row many times. The caller syncs.
+// per key and block, where prep_stats reads each key's row from D/8 threads. The caller syncs.
 template <bool PAGED>
 __device__ __forceinline__ void kv_rows(long long* rows, const KvPages& p, const Geom& g, int b, int hk, int key0,
                                         int n) {
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         rows[i] = key0 + i < g.S ? kv_row<PAGED>(p, g, b, key0 + i, hk) : -1;
-}
-
-// A thread of the per-element prep kernels, grid (x, Hkv, B): its (b, hk) and flat index along x,
-// from ``base`` (the elements of the tiles a KV state already holds, §5.9, are not launched).
-struct PrepThread {
-    int b, hk;
-    size_t bh;
-    long long idx;
-};
-__device__ __forceinline__ PrepThread prep_thread(const Geom& g, long long base = 0) {
-    const int b = blockIdx.z, hk = blockIdx.y;
-    return {b, hk, (size_t)b * g.Hkv + hk, base + (long long)blockIdx.x * blockDim.x + threadIdx.x};
 }
 
 // §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
@@ -305,7 +293,9 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
                                        const Geom& g, float qmul, int q_mode, int q_terms, bool lsq, bool lanes,
                                        bool fused, bool pad_vote) {
     constexpr int NB = D / 16;
-    const auto [b, hk, bh, idx] = prep_thread(g);
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     // All lanes of a row group stay alive for the shuffles (128 is a multiple of NB).
     const int r = (int)(idx / NB), cb = (int)(idx % NB);
     const bool in_range = r < g.Rp;
