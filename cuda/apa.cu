@@ -82,7 +82,7 @@ struct FusedParams {
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
-    __shared__ long long red[D], rows[KEYS_PER_CHUNK];  // once, not per layout instantiation
+    __shared__ long long red[STATS_THREADS * 8], rows[KEYS_PER_CHUNK];  // once, not per layout instantiation
     APA_BY_LAYOUT(prep_stats, red, rows, p.k, p.v, p.ksum, p.amax, p.pages, Geom(p.sz, blockIdx.z));
 }
 

@@ -46,7 +46,8 @@ __device__ __forceinline__ void kv_rows(long long* rows, const KvPages& p, const
 // §5.1, §5.2 statistics: exact integer column sums of K and the absolute maxima of K and V.
 // grid (ceil(S / KEYS_PER_CHUNK), Hkv, B), block 256. Thread t: channels c0 = 8 (t % (D/8)) .. c0 + 7 as one
 // 16-byte load per key, keys chunk*KEYS_PER_CHUNK + t / (D/8) + j * (256 / (D/8)). Integer sums and maxima
-// are order-free, so the block sums its channels in shared memory before one global atomic each.
+// are order-free, so each thread leaves its channels' sums in shared memory (red: STATS_THREADS * 8
+// values) and one thread per channel adds them up before one global atomic each.
 constexpr int STATS_THREADS = 256;
 constexpr int KEYS_PER_CHUNK = 256;
 template <bool PAGED>
@@ -59,7 +60,6 @@ __device__ __forceinline__ void prep_stats(long long* red, long long* rows, cons
     const int s0 = chunk * KEYS_PER_CHUNK + threadIdx.x / NO;
     const int s1 = min(g.S, (chunk + 1) * KEYS_PER_CHUNK);
     kv_rows<PAGED>(rows, pg, g, b, hk, chunk * KEYS_PER_CHUNK, KEYS_PER_CHUNK);
-    for (int c = threadIdx.x; c < D; c += STATS_THREADS) red[c] = 0;
     __syncthreads();
     long long sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float ak = 0.0f, av = 0.0f;
@@ -78,7 +78,7 @@ __device__ __forceinline__ void prep_stats(long long* red, long long* rows, cons
         }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) atomicAdd(reinterpret_cast<unsigned long long*>(&red[c0 + j]), (unsigned long long)sum[j]);
+    for (int j = 0; j < 8; ++j) red[(threadIdx.x / NO) * D + c0 + j] = sum[j];  // [key lane][channel]
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         ak = fmaxf(ak, __shfl_xor_sync(0xFFFFFFFFu, ak, o));
@@ -89,8 +89,11 @@ __device__ __forceinline__ void prep_stats(long long* red, long long* rows, cons
         atomicMax(&amax[((size_t)b * g.Hkv + hk) * 2 + 1], __float_as_uint(av));
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < D; c += STATS_THREADS)
-        atomicAdd(&ksum[((size_t)b * g.Hkv + hk) * D + c], (unsigned long long)red[c]);
+    for (int c = threadIdx.x; c < D; c += STATS_THREADS) {
+        long long total = 0;
+        for (int kl = 0; kl < STATS_THREADS / NO; ++kl) total += red[kl * D + c];
+        atomicAdd(&ksum[((size_t)b * g.Hkv + hk) * D + c], (unsigned long long)total);
+    }
 }
 
 // up2 (numerics.md §5.2): the next power of two above x unless x is one (x positive, normal).
