@@ -90,9 +90,8 @@ def compare(work: Path, base: str, other: str, family: str, mode: str) -> str:
     return ", ".join(parts)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sources", nargs="*", help="copies of cuda/ or git revisions; the first is the baseline")
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a timed run (inputs, modes, repetitions, report file), shared with bench_floors."""
     ap.add_argument("--keys", type=int, default=122880)
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--family", nargs="+", default=["real-like", "outlier-heavy"])
@@ -102,6 +101,25 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="also write the report here (a new file)")
+
+
+def check_run_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """One line through ap.error for a bad option of add_run_arguments."""
+    from apa_emu.study.synth import FAMILIES
+
+    bad = [f for f in args.family if f not in FAMILIES]
+    if bad:
+        ap.error(f"--family {bad[0]}: expected one of {', '.join(FAMILIES)}")
+    if min(args.keys, args.rows, args.reps, args.rounds) < 1:
+        ap.error("--keys, --rows, --reps and --rounds must be positive")
+    if args.out is not None and args.out.exists():
+        ap.error(f"--out {args.out}: exists; not overwritten")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="*", help="copies of cuda/ or git revisions; the first is the baseline")
+    add_run_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -113,23 +131,19 @@ def main(argv=None) -> int:
 
     if len(args.sources) < 2:
         ap.error("give at least two sources: the baseline and a variant")
-    bad = [f for f in args.family if f not in FAMILIES]
-    if bad:
-        ap.error(f"--family {bad[0]}: expected one of {', '.join(FAMILIES)}")
-    if min(args.keys, args.rows, args.reps, args.rounds) < 1:
-        ap.error("--keys, --rows, --reps and --rounds must be positive")
-    if args.out is not None and args.out.exists():
-        ap.error(f"--out {args.out}: exists; not overwritten")
+    check_run_arguments(ap, args)
     with tempfile.TemporaryDirectory(prefix="bench_ab_") as tmp:  # the sources, inputs and results: ~1 GB at 122880 keys
-        lines = run_all(args, Path(tmp), FAMILIES, synthetic_preset)
+        times = collect(args, Path(tmp), FAMILIES, synthetic_preset)
+        lines = report(args, Path(tmp), times)
     print("\n".join(lines))
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
     return 0
 
 
-def run_all(args, work: Path, families, synthetic_preset) -> list[str]:
-    """The rounds of every source, then the report's lines."""
+def collect(args, work: Path, families, synthetic_preset) -> dict:
+    """The inputs, then the rounds of every source: {(source index, family, mode): [per-round {kernel: ms}]}
+    (empty dicts on the simulator), each source's results saved in work as s{index}_{family}_{mode}.npz."""
     dirs = [source_dir(s, work) for s in args.sources]
     names = [f"s{i}" for i in range(len(dirs))]
     for family in args.family:
@@ -149,20 +163,25 @@ def run_all(args, work: Path, families, synthetic_preset) -> list[str]:
             for line in run.stdout.splitlines():
                 rec = json.loads(line)
                 times.setdefault((i, rec["family"], rec["mode"]), []).append(rec["times"])
+    return times
 
+
+def report(args, work: Path, times: dict) -> list[str]:
+    """The report's lines: the times of every kernel and source, then each variant's comparison."""
+    n = len(args.sources)
     head = " | ".join(f"`{s}`" for s in args.sources)
     timed = any(t for runs in times.values() for t in runs)
     lines = [f"Kernel sources A/B: {args.rows} rows x {args.keys} keys, eps = {args.eps}, seed {args.seed}; " + (
         f"per launch, median of {args.reps}, ms, each round's in order (the change against the baseline's mean)."
         if timed else "no times (the simulator)."), ""]
     if timed:
-        lines += [f"| family | mode | kernel | {head} |", "|---|---|---|" + "---:|" * len(dirs)]
+        lines += [f"| family | mode | kernel | {head} |", "|---|---|---|" + "---:|" * n]
     for family in args.family:
         for mode in args.modes:
-            kernels = dict.fromkeys(k for i in range(len(dirs)) for t in times[(i, family, mode)] for k in t)
+            kernels = dict.fromkeys(k for i in range(n) for t in times[(i, family, mode)] for k in t)
             for kernel in kernels:  # a kernel that a source does not launch reads "—"
                 cells = []
-                for i in range(len(dirs)):
+                for i in range(n):
                     runs = [t[kernel] for t in times[(i, family, mode)] if kernel in t]
                     cell = " / ".join(f"{t:.3f}" for t in runs) or "—"
                     base = [t[kernel] for t in times[(0, family, mode)] if kernel in t]
@@ -171,10 +190,10 @@ def run_all(args, work: Path, families, synthetic_preset) -> list[str]:
                     cells.append(cell)
                 lines.append(f"| {family} | {mode} | {kernel.removeprefix('apa_')} | " + " | ".join(cells) + " |")
     lines += [""] * timed + ["Outputs, hot masks, error bounds and kvstat against the baseline's, bits:", ""]
-    for i in range(1, len(dirs)):
+    for i in range(1, n):
         for family in args.family:
             for mode in args.modes:
-                lines.append(f"* `{args.sources[i]}`, {family}, {mode}: {compare(work, names[0], names[i], family, mode)}")
+                lines.append(f"* `{args.sources[i]}`, {family}, {mode}: {compare(work, 's0', f's{i}', family, mode)}")
     return lines
 
 
