@@ -71,7 +71,7 @@ VARIANTS = {
         ("pass2.cuh", ("    // §8.2 frame.", "    // §8.5 O = chain"), _F16_OF_X),
     ],
 }
-# The variant whose time stands for each pass's floor; the pass it measures.
+# Each pass and the variant whose time is its floor.
 SKELETONS = {"pass1": "pass1-skeleton", "pass2": "pass2-skeleton"}
 
 
