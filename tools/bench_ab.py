@@ -135,10 +135,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_ab_") as tmp:  # the sources, inputs and results: ~1 GB at 122880 keys
         times = collect(args, Path(tmp), FAMILIES, synthetic_preset)
         lines = report(args, Path(tmp), times)
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.write_text("\n".join(lines) + "\n")
+    emit(lines, args.out)
     return 0
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """The report on stdout, and in out when given (checked new by check_run_arguments)."""
+    print("\n".join(lines))
+    if out is not None:
+        out.write_text("\n".join(lines) + "\n")
 
 
 def collect(args, work: Path, families, synthetic_preset) -> dict:

@@ -148,14 +148,12 @@ def main(argv=None) -> int:
         args.sources = [str(ROOT / "cuda"), *map(str, variants.values())]
         times = bench_ab.collect(args, work, FAMILIES, synthetic_preset)
         timed = any(t for runs in times.values() for t in runs)
-        cudnn = {} if args.no_cudnn or not timed else {f: cudnn_ms(work, f, args.reps) for f in args.family}
         lines = bench_ab.report(args, work, times)
         if timed:
-            lines += floors(args, names, times, {f: ms for f, ms in cudnn.items() if ms is not None})
-    lines = [ln.replace(str(work / "variants") + "/", "").replace(str(ROOT) + "/", "") for ln in lines]
-    print("\n".join(lines))
-    if args.out is not None:
-        args.out.write_text("\n".join(lines) + "\n")
+            cudnn = {} if args.no_cudnn else {f: ms for f in args.family if (ms := cudnn_ms(work, f, args.reps))}
+            lines += floors(args, names, times, cudnn)
+    bench_ab.emit([ln.replace(str(work / "variants") + "/", "").replace(str(ROOT) + "/", "") for ln in lines],
+                  args.out)
     return 0
 
 
