@@ -1,4 +1,5 @@
-"""Public entry point: validate inputs, run prep, pass 1, pass 2 and the merge warp by warp."""
+"""The emulator's entry point: resolve the call (apa_emu/call.py), then run prep, pass 1, pass 2 and the
+merge warp by warp."""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import numpy as np
 
 from . import trace as tr
 from . import kvstate, varlen
+from .call import Call, logical_kv, resolve_call
 from .kvstate import KVState
 from .config import Config
-from .geometry import HEAD_DIMS, ROWS, TILE, Shape, WarpRows, visit_order
+from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import certificate, merge
-from .paging import unpage
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
 
 F32 = np.float32
-MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
 
 
 @dataclass
@@ -44,93 +44,6 @@ class Result:
     @property
     def hot_share(self) -> float:
         return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
-
-
-def validate(q, k, v, q_offset) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Check shapes, dtypes, head layout and values; return batched [B, ...] views and whether the
-    input had no batch axis. Every problem is a ValueError naming the argument."""
-    arrays = []
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, np.ndarray):
-            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-        if x.dtype.kind != "f" or x.dtype.itemsize != 2:
-            raise ValueError(f"{name}: expected dtype float16, got {x.dtype}")
-        if x.ndim not in (3, 4):
-            raise ValueError(f"{name}: expected shape [n, heads, d] or [batch, n, heads, d], got {x.shape}")
-        arrays.append(x.astype(np.float16, copy=False))  # a byte-swapped float16 is converted, not refused
-    q, k, v = arrays
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"q, k, v: batch axis must be present in all or none (ndim {q.ndim}, {k.ndim}, {v.ndim})")
-    squeeze = q.ndim == 3
-    qb, kb, vb = (x[None] if squeeze else x for x in (q, k, v))
-    if not (qb.shape[0] == kb.shape[0] == vb.shape[0]):
-        raise ValueError(f"q, k, v: batch sizes differ ({qb.shape[0]}, {kb.shape[0]}, {vb.shape[0]})")
-    if kb.shape != vb.shape:
-        raise ValueError(f"k, v: shapes differ ({k.shape} vs {v.shape})")
-    B, n, H, d = qb.shape
-    S, Hkv = kb.shape[1], kb.shape[2]
-    if kb.shape[3] != d:
-        raise ValueError(f"k: head dim {kb.shape[3]} differs from q's {d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"q: head dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
-    if n < 1 or S < 1 or H < 1 or Hkv < 1 or B < 1:
-        raise ValueError(f"q, k: every dimension must be at least 1 (q {q.shape}, k {k.shape})")
-    if H % Hkv:
-        raise ValueError(f"q, k: query heads {H} are not a multiple of KV heads {Hkv}")
-    if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
-        raise ValueError(f"q_offset: expected an integer, got {q_offset!r}")
-    if q_offset < 0:
-        raise ValueError(f"q_offset: {q_offset} leaves query row 0 with no key (it must be >= 0)")
-    if int(q_offset) + n - 1 > MAX_POSITION:
-        raise ValueError(f"q_offset: {q_offset} puts query positions past {MAX_POSITION} (int32 positions)")
-    for name, x in (("q", qb), ("k", kb), ("v", vb)):
-        # all strides zero: one value seen everywhere (apa_gpu's stand-ins for device arrays it checked)
-        bad = ~np.isfinite(x if any(x.strides) else x[(slice(0, 1),) * x.ndim])
-        if bad.any():
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"{name}: non-finite value {x[idx]} at index {idx if not squeeze else idx[1:]}")
-    return qb, kb, vb, squeeze
-
-
-def _check_triples(name: str, triples, shape: Shape) -> None:
-    """``warps=``/``trace=``: every (b, hk, warp) must exist, or its rows would silently stay NaN."""
-    if triples is None:
-        return
-    try:
-        triples = [tuple(int(x) for x in t) for t in triples]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected an iterable of (b, hk, warp) integer triples") from None
-    for t in triples:
-        if len(t) != 3:
-            raise ValueError(f"{name}: {t} is not a (b, hk, warp) triple")
-        if not (0 <= t[0] < shape.B and 0 <= t[1] < shape.Hkv and 0 <= t[2] < shape.nw):
-            raise ValueError(f"{name}: warp {t} does not exist (b < {shape.B}, hk < {shape.Hkv}, "
-                             f"warp < {shape.nw})")
-
-
-def check_window(window, n: int, S: int, q_offset: int) -> int | None:
-    """``window=``: None (full causal) or W ≥ 1 keys, and every query row must keep a key (§6.1)."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
-        raise ValueError(f"window: expected a positive integer (keys per row) or None, got {window!r}")
-    if window < 1:
-        raise ValueError(f"window={window}: must be >= 1 (the keys a row sees, its own position included)")
-    last = q_offset + n - 1
-    if last - window + 1 > S - 1:
-        raise ValueError(f"window={window}: query row {n - 1} (position {last}) would see no key: its window "
-                         f"starts at key {last - window + 1}, past the last key {S - 1}")
-    return int(window)
-
-
-def check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps=None) -> None:
-    """§5.9: a KV state is defined for a dense causal chunk only."""
-    if kv_state is None:
-        return
-    for name, value in (("window", window), ("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
-                        ("cu_seqlens_k", cu_seqlens_k), ("warps", warps)):
-        if value is not None:
-            raise ValueError(f"kv_state: chunked prefill with {name}= is not supported; pass one or the other")
 
 
 def _check_count(name: str, value) -> int:
@@ -339,36 +252,43 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     -------
     Result, with ``out`` shaped like q.
     """
-    cfg = config or Config()
-    check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps)
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
-        validate(q, k, v, 0)
-        return varlen.run(attention, q, k, v, cfg, seqs, window=window, seqlen_k=seqlen_k, trace=trace, warps=warps,
-                          workers=workers, progress=progress)
-    k, v = unpage(q, k, v, block_table, seqlen_k)
-    qb, kb, vb, squeeze = validate(q, k, v, q_offset)
-    B, n, H, d = qb.shape
-    shape = Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset),
-                  window=check_window(window, n, kb.shape[1], int(q_offset)))
-    want = tr.TraceRequest.of(trace)
-    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
-        _check_triples(name, triples, shape)
+    call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace,
+                        warps=warps)
+    return run(call, config or Config(), workers=workers, progress=progress)
+
+
+def run(call: Call, cfg: Config, *, workers: int = 1, progress=None) -> Result:
+    """The emulator's Result of a resolved call: a varlen call sequence by sequence (§6.6), packed."""
     workers = _check_count("workers", workers)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable progress(done, total) or None, got {progress!r}")
+    if call.seqs is not None:
+        parts = [None if sub is None else run(sub, cfg, workers=workers, progress=progress)
+                 for sub in call.sequences()]
+        return varlen.pack(parts, call.q[0], call.seqs.cq)
+    shape = call.shape
+    kb, vb = logical_kv(call)
     _check_memory(shape)
-    frozen = None if kv_state is None else kvstate.begin(kv_state, kb, vb, n, shape.q_offset)
+    frozen = None if call.kv_state is None else kvstate.begin(call.kv_state, kb, vb, shape.n, shape.q_offset)
     if frozen is None and cfg.k_stats == "sampled":
         frozen = call_stats(kb, vb, cfg.v_f16)  # §5.10: its overflow redo is one decision for the call
-    G, nw = shape.G, shape.nw
-    chosen = None if warps is None else {tuple(int(x) for x in t) for t in warps}
-    groups = [(b, hk) for b in range(B) for hk in range(shape.Hkv)
-              if chosen is None or any(t[:2] == (b, hk) for t in chosen)]
-    total = nw * len(groups) if chosen is None else len(chosen)
+    results, stats = _run_heads(call, cfg, kb, vb, frozen, workers, progress)
+    if call.kv_state is not None:
+        kvstate.finish(call.kv_state, kb, kvstate.Stats(*(np.array([[stats[b, hk][i] for hk in range(shape.Hkv)]
+                                                                     for b in range(shape.B)]) for i in range(3))))
+    return _assemble(call, cfg, results, stats)
 
-    # One (batch, KV head) at a time: its prep is all a warp reads (§5), so memory stays at one
-    # head's share of the dump whatever the number of heads.
+
+def _run_heads(call: Call, cfg: Config, kb, vb, frozen, workers: int, progress):
+    """One (batch, KV head) at a time: its prep is all a warp reads (§5), so memory stays at one
+    head's share of the input whatever the number of heads. Returns the warps' results and each
+    head's (kmean, kg, vg)."""
+    shape, chosen, qb = call.shape, call.warps, call.q
+    G = shape.G
+    groups = [(b, hk) for b in range(shape.B) for hk in range(shape.Hkv)
+              if chosen is None or any(t[:2] == (b, hk) for t in chosen)]
+    total = shape.nw * len(groups) if chosen is None else len(chosen)
     results: list[tuple[int, int, WarpResult]] = []
     stats = {}
     for b, hk in groups:
@@ -377,25 +297,30 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
                        first_key=int(shape.lo(0)),
                        stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))
         stats[b, hk] = prep.kmean[0], prep.kg[0], prep.vg[0]
-        todo = [w for w in range(nw) if chosen is None or (b, hk, w) in chosen]
-        runner = _Runner(shape, b, hk, prep, cfg, want)
-        if workers > 1 and len(todo) > 1:
-            n_proc = min(workers, os.cpu_count() or 1, len(todo))
-            with worker_pool("fork", n_proc, _init_worker, (runner,)) as pool:
-                done = pool.imap(_run_in_worker, todo, chunksize=max(1, len(todo) // (8 * workers)))
-                for res in done:
-                    results.append((b, hk, res))
-                    if progress:
-                        progress(len(results), total)
-        else:
-            for w in todo:
-                results.append((b, hk, runner.run(w)))
-                if progress:
-                    progress(len(results), total)
+        todo = [w for w in range(shape.nw) if chosen is None or (b, hk, w) in chosen]
+        runner = _Runner(shape, b, hk, prep, cfg, call.want)
+        for res in _run_warps(runner, todo, workers):
+            results.append((b, hk, res))
+            if progress:
+                progress(len(results), total)
+    return results, stats
 
-    if kv_state is not None:
-        kvstate.finish(kv_state, kb, kvstate.Stats(*(np.array([[stats[b, hk][i] for hk in range(shape.Hkv)]
-                                                                for b in range(B)]) for i in range(3))))
+
+def _run_warps(runner: _Runner, todo: list[int], workers: int):
+    """The warps' results in order, over ``workers`` processes when there are several warps."""
+    if workers > 1 and len(todo) > 1:
+        n_proc = min(workers, os.cpu_count() or 1, len(todo))
+        with worker_pool("fork", n_proc, _init_worker, (runner,)) as pool:
+            yield from pool.imap(_run_in_worker, todo, chunksize=max(1, len(todo) // (8 * workers)))
+    else:
+        for w in todo:
+            yield runner.run(w)
+
+
+def _assemble(call: Call, cfg: Config, results, stats) -> Result:
+    """The warps' rows unpacked into q's layout (§6.2), their hot masks, counts and trace records."""
+    shape, want = call.shape, call.want
+    B, n, d, G, nw = shape.B, shape.n, shape.d, shape.G, shape.nw
     rows_out = np.full((B, shape.Hkv, shape.Rp, d), np.nan, np.float16)
     rows_bound = np.full((B, shape.Hkv, shape.Rp, 1), np.nan, F32)
     hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
@@ -408,8 +333,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     visits = [res.visits for _, _, res in results if res.visits is not None]
     row_recs = [res.rows for _, _, res in results if res.rows is not None]
     return Result(
-        out=out[0] if squeeze else out,
-        err_bound=bound[0] if squeeze else bound,
+        out=out[0] if call.squeeze else out,
+        err_bound=bound[0] if call.squeeze else bound,
         hot=hot,
         active_tiles=sum(res.active for _, _, res in results),
         hot_tiles=sum(res.nhot for _, _, res in results),

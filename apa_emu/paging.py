@@ -1,8 +1,8 @@
 """Paged KV (numerics.md §5.0): page pools [pages, page_size, Hkv, d] read through a block table.
 
-The checks are shared by the emulator and the kernel's launcher, so both refuse the same inputs with
-the same message; the emulator then gathers the pools into the contiguous layout, which defines the
-paged call.
+The checks are the call contract's (apa_emu/call.py), so the emulator and the kernel's launcher refuse
+the same inputs with the same message; the emulator then gathers the pools into the contiguous
+layout, which defines the paged call.
 """
 
 from __future__ import annotations
@@ -61,21 +61,6 @@ def check_pages(block_table, k_shape: tuple, v_shape: tuple, q_ndim: int, batch:
     if S > MAX_INT32 // 2:
         raise ValueError(f"seqlen_k: {S} keys are past the kernel's int32 key positions")
     return Pages(np.ascontiguousarray(bt, dtype=np.int32), int(page_size), int(pages), S)
-
-
-def unpage(q, k, v, block_table, seqlen_k):
-    """The emulator's k and v: the inputs themselves without a block table, else the pools gathered
-    into the contiguous layout (batched like q) that defines the paged call."""
-    if block_table is None:
-        if seqlen_k is not None:
-            raise ValueError("seqlen_k: only with a block_table (a contiguous k holds its S keys)")
-        return k, v
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, np.ndarray):
-            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-    pages = check_pages(block_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
-    k, v = gather(k, pages), gather(v, pages)
-    return (k, v) if q.ndim == 4 else (k[0], v[0])
 
 
 def gather(pool: np.ndarray, pages: Pages) -> np.ndarray:

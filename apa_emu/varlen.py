@@ -3,9 +3,9 @@ cu_seqlens as FlashAttention and cuDNN take them.
 
 Sequence b is an independent problem (its own prep statistics, geometry and warps) on rows
 cu_seqlens_q[b] .. cu_seqlens_q[b+1] − 1 of q and keys cu_seqlens_k[b] .. cu_seqlens_k[b+1] − 1 of k and
-v, bottom-right causal (q_offset = S_b − n_b). ``check`` refuses bad calls for both sides; ``run`` splits
-a call, runs each sequence through the emulator's ``attention`` and packs the results (the kernel runs
-the whole batch in one launch instead).
+v, bottom-right causal (q_offset = S_b − n_b). ``check`` refuses bad calls for both sides; the emulator
+runs a call's sequences one by one (apa_emu/call.py ``Call.sequences``) and ``pack`` packs their
+results (the kernel runs the whole batch in one launch instead).
 """
 
 from __future__ import annotations
@@ -89,33 +89,10 @@ def check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table=None) -> Se
     return seqs
 
 
-def run(attention, q, k, v, config, seqs: Seqs, *, trace=None, warps=None, **kwargs):
-    """``attention`` over each packed sequence (§6.6), packed back: ``out`` [total_q, H, d],
-    ``err_bound`` [total_q, H], hot masks padded to the longest sequence's warps and words, trace
-    records with b = the sequence."""
-    cq, ck, n, S = seqs.cq, seqs.ck, seqs.n, seqs.S
-
-    def pick(spec, b):
-        """The (b, hk, warp) triples of sequence b, renumbered to b = 0."""
-        if spec is None or isinstance(spec, str) or spec is True:
-            return spec
-        return [(0, hk, w) for bb, hk, w in (tuple(int(x) for x in t) for t in spec) if bb == b]
-
-    parts = []
-    for b in range(n.shape[0]):
-        extra = dict(kwargs)
-        if warps is not None:  # the emulator's warps=: a sequence none of whose warps is chosen is skipped
-            extra["warps"] = pick(warps, b)
-            if not extra["warps"]:
-                parts.append(None)
-                continue
-        parts.append(attention(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], int(S[b] - n[b]), config,
-                               trace=pick(trace, b), **extra))
-    return _pack(parts, q, cq)
-
-
-def _pack(parts, q, cq):
-    """The sequences' results as one Result; rows of skipped sequences stay NaN."""
+def pack(parts, q, cq):
+    """The sequences' results (§6.6) packed as one Result: ``out`` [total_q, H, d], ``err_bound``
+    [total_q, H], hot masks padded to the longest sequence's warps and words, trace records with
+    b = the sequence; rows of skipped sequences (None) stay NaN."""
     done = [p for p in parts if p is not None]
     first = done[0]
     out = np.full(q.shape, np.nan, np.float16)

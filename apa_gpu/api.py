@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
 
-from apa_emu import trace as tr
-from apa_emu.api import Result, check_state_use, check_window, validate
+from apa_emu.api import Result
+from apa_emu.call import Call, resolve_call
 from apa_emu.config import Config
 from apa_emu.geometry import TILE, Shape, cdiv
-from apa_emu import kvstate, varlen
+from apa_emu import kvstate
 from apa_emu.kvstate import KVState
-from apa_emu.paging import check_pages, gather, unpage
 from apa_emu.prep import KV_STATS, slot_keys
 
 from . import device
@@ -31,61 +29,6 @@ def _as_device(x, xp):
     loads need it; a device view may start anywhere)."""
     y = xp.ascontiguousarray(xp.asarray(x))
     return y if device.backend().address(y) % 16 == 0 else y.copy()
-
-
-def _validate_any(q, k, v, q_offset, xp):
-    """apa_emu.validate for host or device inputs; returns (shape, squeeze)."""
-    arrays = (q, k, v)
-    if any(isinstance(x, xp.ndarray) for x in arrays):
-        # Same checks and messages as the emulator: shapes and dtypes through zero-copy NumPy
-        # stand-ins, values on the device; a non-finite array is copied back so that validate()
-        # names the first bad index exactly as the emulator does.
-        proxies = []
-        for x in arrays:
-            if isinstance(x, xp.ndarray):
-                finite = x.dtype == np.float16 and bool(xp.isfinite(x).all())
-                proxies.append(np.broadcast_to(np.zeros((), x.dtype), x.shape) if finite else xp.asnumpy(x))
-            else:
-                proxies.append(x)
-        qb, kb, _, squeeze = validate(*proxies, q_offset)
-    else:
-        qb, kb, _, squeeze = validate(q, k, v, q_offset)
-    B, n, H, d = qb.shape
-    return Shape(B=B, n=n, H=H, Hkv=kb.shape[2], S=kb.shape[1], d=d, q_offset=int(q_offset)), squeeze
-
-
-def _prepare(q, k, v, q_offset, cfg, stand_ins=None):
-    """(shape, squeeze, batched device q, k, v) of validated inputs. ``stand_ins``: what to validate
-    in place of k and v (a paged call's logical keys); k and v are then page pools, never batched."""
-    xp = device.backend().xp
-    shape, squeeze = _validate_any(q, *(stand_ins or (k, v)), q_offset, xp)
-    check_config(cfg, shape.d)
-    qd, kd, vd = (_as_device(x, xp) for x in (q, k, v))
-    if squeeze:
-        qd = qd[None]
-        if stand_ins is None:
-            kd, vd = kd[None], vd[None]
-    return shape, squeeze, qd, kd, vd
-
-
-def _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k):
-    """(shape, squeeze, batched device q, the device pools, (device block table, page size)) of paged
-    inputs (numerics.md §5.0), refused as the emulator refuses them: the pools' values are checked
-    where the table reads them, through the emulator's gather when a pool holds a non-finite value."""
-    xp = device.backend().xp
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, (np.ndarray, xp.ndarray)):
-            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-    host_table = xp.asnumpy(block_table) if isinstance(block_table, xp.ndarray) else block_table
-    pages = check_pages(host_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
-    proxies = []
-    for x in (k, v):
-        if x.dtype == np.float16 and bool((xp if isinstance(x, xp.ndarray) else np).isfinite(x).all()):
-            logical = np.broadcast_to(np.zeros((), x.dtype), (pages.table.shape[0], pages.S, *x.shape[2:]))
-        else:
-            logical = gather(x if isinstance(x, np.ndarray) else xp.asnumpy(x), pages)
-        proxies.append(logical if q.ndim == 4 else logical[0])
-    return (*_prepare(q, k, v, q_offset, cfg, proxies), (xp.asarray(pages.table), pages.page_size))
 
 
 def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, window: int | None = None,
@@ -105,52 +48,48 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     apa_gpu.plan.SEGMENT_TILES: device memory beyond the inputs that does not grow with the context,
     numerics.md §6.7). Returns an apa_emu Result with NumPy arrays.
     """
-    cfg = config or Config()
+    call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace)
+    return run(call, config or Config(), schedule=schedule, segment_tiles=segment_tiles)
+
+
+def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: int | None = None) -> Result:
+    """The kernel's Result of a resolved call (apa_emu.call), in one launch per pass whatever the batch."""
     schedule = schedule or os.environ.get("APA_GPU_SCHEDULE", "separate")
     if segment_tiles is not None and schedule != "bounded":
         raise ValueError(f"segment_tiles={segment_tiles!r}: only the bounded schedule has segments, "
                          f"not schedule={schedule!r}")
-    check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k)
-    pages = seqs = None
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
-        packed, _, qd, kd, vd = _prepare(q, k, v, 0, cfg)  # the values, named by their packed index
-        if seqlen_k is not None:
-            unpage(q, k, v, None, seqlen_k)  # the emulator's refusal
-        for e in seqs.shapes(packed.H, packed.Hkv, packed.d, None):
-            check_window(window, e.n, e.S, e.q_offset)  # every sequence's rows keep a key
-        shape = seqs.longest(packed.H, packed.Hkv, packed.d, None if window is None else int(window))
-        squeeze = False
-    elif block_table is None:
-        if seqlen_k is not None:
-            unpage(q, k, v, None, seqlen_k)  # the emulator's refusal
-        shape, squeeze, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
-    else:
-        shape, squeeze, qd, kd, vd, pages = _prepare_paged(q, k, v, q_offset, cfg, block_table, seqlen_k)
-    if seqs is None:
-        shape = dataclasses.replace(shape, window=check_window(window, shape.n, shape.S, shape.q_offset))
+    shape = call.shape
+    check_config(cfg, shape.d)
     be = device.backend()
+    qd, kd, vd = (_as_device(x, be.xp) for x in (call.q, call.k, call.v))
+    pages = None if call.pages is None else (be.xp.asarray(call.pages.table), call.pages.page_size)
     frozen = images = None
     from_tile = 0
-    if kv_state is not None:
-        frozen = kvstate.begin(kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
+    if call.kv_state is not None:
+        frozen = kvstate.begin(call.kv_state, kd, vd, shape.n, shape.q_offset, be.xp)
         if schedule == "bounded":
-            kv_state.cache = None  # it forms its own images, each call: later chunks must not reuse older ones
+            call.kv_state.cache = None  # it forms its own images, each call: later chunks must not reuse older ones
         else:
-            images, from_tile = _state_images(kv_state, frozen is not None, shape, cfg)
+            images, from_tile = _state_images(call.kv_state, frozen is not None, shape, cfg)
     bounded = {} if segment_tiles is None else dict(segment=segment_tiles)
-    plan = Plan(shape, cfg, tr.TraceRequest.of(trace), schedule, seqs, images, **bounded)
+    plan = Plan(shape, cfg, call.want, schedule, call.seqs, images, **bounded)
     plan.run(qd, kd, vd, pages, frozen, from_tile)
-    if kv_state is not None:
-        kvstate.finish(kv_state, kd, plan.stats(), be.xp)
+    if call.kv_state is not None:
+        kvstate.finish(call.kv_state, kd, plan.stats(), be.xp)
     be.synchronize()
+    return _result(call, cfg, plan)
+
+
+def _result(call: Call, cfg: Config, plan: Plan) -> Result:
+    be, shape = device.backend(), call.shape
     out = be.xp.asnumpy(plan.out).view(np.float16)
     bound = be.xp.asnumpy(plan.bound)
     hot = be.xp.asnumpy(plan.hot)[..., :shape.W]
     visits, rows = plan.trace_arrays()
     return Result(
-        out=out[0] if squeeze else out,
-        err_bound=bound[0] if squeeze else bound,
+        out=out[0] if call.squeeze else out,
+        err_bound=bound[0] if call.squeeze else bound,
         hot=hot,
         active_tiles=plan.active_tiles(),
         hot_tiles=int(np.unpackbits(hot.view(np.uint8)).sum()),
@@ -188,7 +127,10 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     localising a mismatch: kmean [B,Hkv,d], kg, vg [B,Hkv], qhat [B,Hkv,R,d], cq, sh [B,Hkv,R],
     khat [B,Hkv,T*64,d] (key order), vhat_t [B,Hkv,T,d,64] (slot order), all float32."""
     cfg = config or Config()
-    s, _, qd, kd, vd = _prepare(q, k, v, q_offset, cfg)
+    call = resolve_call(q, k, v, q_offset)
+    s = call.shape
+    check_config(cfg, s.d)
+    qd, kd, vd = (_as_device(x, device.backend().xp) for x in (call.q, call.k, call.v))
     plan = Plan(s, cfg, None)
     plan.prep(qd, kd, vd)
     be = device.backend()
@@ -209,4 +151,4 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     )
 
 
-__all__ = ["attention", "available", "check_config", "prep_arrays"]
+__all__ = ["attention", "available", "check_config", "prep_arrays", "run"]

@@ -128,7 +128,7 @@ def load_reproducer(path):
 
 def prep_divergence(q, k, v, q_offset, cfg: Config) -> str | None:
     """The first prep output (numerics.md §5) where kernel and emulator differ, or None."""
-    from apa_emu.api import validate
+    from apa_emu.call import validate
     from apa_emu.prep import prepare
 
     from .api import prep_arrays

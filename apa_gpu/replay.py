@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import apa_emu
-from apa_emu.paging import unpage
+from apa_emu.call import logical_kv, resolve_call
 
 from .api import attention
 from .compare import describe, first_divergence, load_reproducer, prep_divergence
@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     paging = dict(block_table=r["block_table"], seqlen_k=r["seqlen_k"])
     print(f"q {q.shape} k {k.shape} q_offset {off} window {r['window']} paged {r['block_table'] is not None}\n"
           f"config {cfg}\nschedule {schedule}")
-    prep = prep_divergence(q, *unpage(q, k, v, **paging), off, cfg)  # prep of the contiguous layout (§5.0)
+    call = resolve_call(q, k, v, off, **paging)
+    prep = prep_divergence(call.q, *logical_kv(call), off, cfg)  # prep of the contiguous layout (§5.0)
     print("prep: " + (prep or "bitwise equal"))
     emu = apa_emu.attention(q, k, v, off, cfg, window=r["window"], trace=trace, workers=args.workers, **paging)
     segment = dict(segment_tiles=r["segment_tiles"]) if schedule == "bounded" and r["segment_tiles"] else {}
