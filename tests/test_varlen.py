@@ -83,3 +83,28 @@ def test_varlen_needs_packed_inputs():
     q, k, v = _packed()
     with pytest.raises(ValueError, match=r"q: with cu_seqlens, expected packed \[total, heads, d\]"):
         attention(q[None], k[None], v[None], 0, cu_seqlens_q=np.array([0, 30]), cu_seqlens_k=np.array([0, 100]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(warps=[(2, 0, 0)]), r"warps: warp \(2, 0, 0\) does not exist \(b < 2"),
+    (dict(trace=[(5, 0, 0)]), r"trace: warp \(5, 0, 0\) does not exist \(b < 2"),
+    (dict(warps=[(0, 0, 2)]), r"warps: warp \(0, 0, 2\) does not exist \(b < 1, hk < 1, warp < 2\)"),
+])
+def test_varlen_warps_and_trace_name_existing_sequences(kwargs, message):
+    """A triple is checked against the batch (b = the sequence), then against its own sequence: sequence
+    0's 10 rows of 2 heads fill two warps of 16 rows, sequence 1's 20 rows three."""
+    q, k, v = _packed()
+    with pytest.raises(ValueError, match=message):
+        attention(q, k, v, 0, cu_seqlens_q=np.array([0, 10, 30]), cu_seqlens_k=np.array([0, 40, 100]), **kwargs)
+
+
+def test_varlen_warps_pick_their_sequences():
+    """warps= of a varlen call runs those warps of their sequences alone, renumbered; a sequence none of
+    whose warps is chosen stays NaN."""
+    q, k, v = _packed()
+    cq, ck = np.array([0, 10, 30]), np.array([0, 40, 100])
+    res = attention(q, k, v, 0, cu_seqlens_q=cq, cu_seqlens_k=ck, warps=[(1, 0, 1)], trace=[(1, 0, 1)])
+    alone = attention(q[10:], k[40:], v[40:], 40, warps=[(0, 0, 1)], trace=[(0, 0, 1)])
+    assert np.isnan(res.out[:10].astype(np.float32)).all()
+    assert res.out[10:].tobytes() == alone.out.tobytes()
+    assert (res.visits["b"] == 1).all() and (res.visits["warp"] == 1).all() and res.visits.size
