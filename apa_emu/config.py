@@ -88,7 +88,7 @@ class Config:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
-        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16", "fma", "pad_vote", "direct_store"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # every on/off toggle
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.q_terms not in (1, 2):
