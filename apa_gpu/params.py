@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .build import CUDA_DIR
+
 PTR = np.uint64  # a device address
 I32 = np.int32
 I64 = np.int64
@@ -120,7 +122,6 @@ _SCALARS = frozenset((bool, int, float, np.float32, np.int32, np.int64, np.bool_
 
 # cuda/params.cuh: a field's C type, as the host holds it. Any pointer is a device address.
 C_TYPES = {"int": I32, "long long": I64, "float": F32}
-CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 _LIST = re.compile(r"^#define APA_FIELDS_(\w+)\(X\)((?:.*\\\n)*.*)$", re.M)
 _FIELD = re.compile(r"\bX\(\s*([^,()]+?)\s*,\s*(\w+)\s*\)")
 
