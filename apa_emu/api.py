@@ -100,10 +100,11 @@ class _Runner:
         self.shape, self.b, self.hk, self.prep, self.cfg, self.want = shape, b, hk, prep, cfg, want
         self.soft = cfg.exp2 == "soft"
         self.consts = cfg.pass1_consts()
-        self.mode = P1Mode(MODELS[cfg.mma], self.soft, cfg.p_scale == "pow2", cfg.quant_p,
-                           slot_keys(cfg.p_groups).astype(np.int64), F32(prep.vg[0] * self.consts.Kf),
-                           cfg.hot_test == "output", cfg.fma, cfg.direct_store and cfg.eps >= 0, prep.vg[0])
-        self.p2_mode = P2Mode(cfg.mma == "exact", cfg.p2_accum == "f32", self.soft, prep.qmul, cfg.fma)
+        self.mode = cfg.pass1_flags().lower(
+            P1Mode, model=MODELS[cfg.mma], soft=self.soft, slots=slot_keys(cfg.p_groups).astype(np.int64),
+            vk=F32(prep.vg[0] * self.consts.Kf), vg=prep.vg[0])
+        self.p2_mode = cfg.pass2_flags().lower(P2Mode, exact=cfg.mma == "exact", f32_out=cfg.p2_accum == "f32",
+                                               soft=self.soft, qmul=prep.qmul)
         self.cert = cfg.cert_consts(prep.d)
 
     def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:

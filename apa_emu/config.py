@@ -88,7 +88,7 @@ class Config:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"config.{name}={value!r}: expected one of {', '.join(allowed)}")
-        for name in ("quant_q", "quant_k", "quant_p", "quant_v", "v_f16", "fma", "pad_vote", "direct_store"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # every on/off toggle
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.q_terms not in (1, 2):
@@ -133,6 +133,28 @@ class Config:
         """§9.7 constants (binary32), shared by the emulator and the kernel's parameters."""
         p2_out = "exact" if self.mma == "exact" else self.p2_accum
         return constants.cert_consts(d, p2_out, self.exp2 == "fast", self.delta)
+
+    # Each toggle a pass reads, lowered here once: the emulator (P1Mode, P2Mode) and the kernel's
+    # parameter structs (apa_gpu/plan.py) take the same values by the same names.
+    def prep_flags(self) -> constants.PrepFlags:
+        """§5's toggles, as cuda/apa.cu PrepParams carries them."""
+        q_mode = 2 if not self.quant_q else 1 if self.q_format == "fp8" else 0
+        return constants.PrepFlags(
+            q_mode=q_mode, q_terms=self.q_terms, quant_k=self.quant_k, quant_v=self.quant_v,
+            lsq=self.block_scale == "lsq", interleaved=self.p_groups == "interleaved", v_f16=self.v_f16,
+            p2_lanes=self.p2_shift == "lanes", pad_vote=self.pad_vote, fma=self.fma)
+
+    def pass1_flags(self) -> constants.Pass1Flags:
+        """§7's toggles, as cuda/pass1.cuh Pass1Args carries them."""
+        return constants.Pass1Flags(
+            ascending=self.tile_order == "ascending", pow2=self.p_scale == "pow2",
+            interleaved=self.p_groups == "interleaved", quant_p=self.quant_p, output=self.hot_test == "output",
+            fma=self.fma, pad_vote=self.pad_vote,
+            direct=self.direct_store and self.eps >= 0)  # §9.5: with ε < 0 every active tile is hot
+
+    def pass2_flags(self) -> constants.Pass2Flags:
+        """§8–9's toggles, as cuda/pass2.cuh Pass2Args carries them."""
+        return constants.Pass2Flags(all_hot=self.eps < 0, fma=self.fma, direct=self.pass1_flags().direct)
 
     @classmethod
     def seed(cls, **changes) -> "Config":

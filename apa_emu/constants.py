@@ -58,3 +58,52 @@ def cert_consts(d: int, p2_out: str, fast: bool, delta: float) -> CertConsts:
     c2 = {"f16": 2.0**-7, "f32": 2.0**-9, "exact": 2.0**-16}[p2_out]
     return CertConsts(F32(SQRT_D_UP[d]), F32(d // 16 * (2.0**-11 + 2.0**-20)), F32(c2),
                       F32(2.0**-6 if fast else 0.0), F32(delta))
+
+
+# The toggles a kernel reads at run time, lowered from a Config once (Config.prep_flags, pass1_flags,
+# pass2_flags): the field names are the kernel structs' members (cuda/apa.cu PrepParams, cuda/pass1.cuh
+# Pass1Args, cuda/pass2.cuh Pass2Args), and the emulator's P1Mode and P2Mode take theirs by name (``flags.lower(P1Mode, ...)``).
+class PrepFlags(NamedTuple):
+    """§5 toggles of the prep steps."""
+
+    q_mode: int  # prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off (§5.3)
+    q_terms: int  # NVFP4 terms of Q: 1 or 2
+    quant_k: bool  # §5.4
+    quant_v: bool  # §5.5
+    lsq: bool  # block scales by least squares, else nearest (§4.3)
+    interleaved: bool  # P groups (§7.3): the keys' slot order in the images
+    v_f16: bool  # §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
+    p2_lanes: bool  # §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift)
+    pad_vote: bool  # §6.2: padding rows get row R − 1's Q̂ and c_q, to vote with
+    fma: bool  # §1.8: the seed's FMA sites
+
+
+class Pass1Flags(NamedTuple):
+    """§7 toggles of pass 1."""
+
+    ascending: bool  # tile order (§6.4): diagonal, or ascending
+    pow2: bool  # P scale kind (§7.4): ue4m3, or pow2
+    interleaved: bool  # P groups (§7.3)
+    quant_p: bool  # §7.5
+    output: bool  # hot test (§7.7): mass, or output
+    fma: bool  # the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
+    pad_vote: bool  # padding rows vote (§6.2)
+    direct: bool  # direct_store with pass 1 run (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc)
+
+
+class Pass2Flags(NamedTuple):
+    """§8–9 toggles of pass 2 and the merge."""
+
+    all_hot: bool  # ε < 0 (§9.6): no pass 1, every active tile hot
+    fma: bool  # the seed's FMA sites (§1.8): §8.1 x, §9.3–9.4
+    direct: bool  # Pass1Flags.direct: a warp with no hot tile stores f16(part), not the merge (§9.5)
+
+
+def _lower(flags, mode, **rest):
+    """The NamedTuple class ``mode`` (an emulator pass's switches) with each field these flags name
+    taken from them, the others from ``rest``: a flag reaches the emulator without being passed on."""
+    return mode(**{f: getattr(flags, f) for f in mode._fields if f in flags._fields}, **rest)
+
+
+for _flags in (PrepFlags, Pass1Flags, Pass2Flags):
+    _flags.lower = _lower

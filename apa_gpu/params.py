@@ -1,18 +1,24 @@
-"""The kernels' parameter structs, each described once as a NumPy structured dtype.
+"""The kernels' parameter structs, each read from its one declaration in the kernel sources.
 
-Every kernel takes one C struct by value (cuda/params.cuh). ``Struct.pack`` builds its bytes from
-named values; before a kernel's first launch ``apa_gpu.device`` compares the dtype with the layout
-the module exports for it (its size, and each field's offset, size and name hash) and refuses to
-launch on any difference, so a field reordered, renamed, added or resized on either side cannot
-silently rebind.
+Every kernel takes one C struct by value (cuda/params.cuh). A struct S is declared once, as the field
+list ``#define APA_FIELDS_S(X)`` of ``X(type, name)`` lines in cuda/; ``declared()`` reads those lines
+into a NumPy structured dtype with C's alignment, so a field added, moved or retyped there reaches the
+host without an edit here. ``Struct.pack`` builds a struct's bytes from named values; before a
+kernel's first launch ``apa_gpu.device`` compares the dtype with the layout the module exports for it
+(its size, and each field's offset, size and name hash) and refuses to launch on any difference, so a
+field the reading here got wrong cannot silently rebind.
 """
 
 from __future__ import annotations
 
 import numbers
+import re
 import struct
+from pathlib import Path
 
 import numpy as np
+
+from .build import CUDA_DIR
 
 PTR = np.uint64  # a device address
 I32 = np.int32
@@ -114,52 +120,57 @@ class Struct:
 _SCALARS = frozenset((bool, int, float, np.float32, np.int32, np.int64, np.bool_))
 
 
-# cuda/common.cuh GeomSizes: the sizes every kernel derives its geometry from (§6).
-GEOM_SIZES = Struct("GeomSizes", [("n", I32), ("H", I32), ("Hkv", I32), ("S", I32), ("q_offset", I32),
-                                   ("window", I32), ("S_buf", I32), ("cu_q", PTR), ("cu_k", PTR)])
+# cuda/params.cuh: a field's C type, as the host holds it. Any pointer is a device address.
+C_TYPES = {"int": I32, "long long": I64, "float": F32}
+_LIST = re.compile(r"^#define APA_FIELDS_(\w+)\(X\)((?:.*\\\n)*.*)$", re.M)
+_FIELD = re.compile(r"\bX\(\s*([^,()]+?)\s*,\s*(\w+)\s*\)")
 
-# cuda/prep.cuh KvPages: paged KV (§5.0); a null table is the contiguous layout.
-KV_PAGES = Struct("KvPages", [("table", PTR), ("page_size", I32), ("max_pages", I32)])
 
-# cuda/common.cuh TileSpan: the tiles a launch forms or visits, and their slots in the key images (§6.7).
-TILE_SPAN = Struct("TileSpan", [("lo", I32), ("hi", I32), ("sink", I32), ("first", I32), ("stride", I32)])
+def declared(cuda_dir: Path = CUDA_DIR) -> dict[str, Struct]:
+    """Every struct the kernel sources declare by a field list (cuda/params.cuh APA_FIELDS_S), by
+    name; a field of another such struct's type nests it (the same Struct object)."""
+    lists = {}
+    for path in sorted(cuda_dir.glob("*.cu*")):
+        text = re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S)
+        for name, body in _LIST.findall(text):
+            if name in lists:
+                raise ValueError(f"{path.name}: APA_FIELDS_{name} is declared twice")
+            lists[name] = (path.name, _FIELD.findall(body))
+    structs: dict[str, Struct] = {}
 
-# cuda/apa.cu PrepParams: the five prep kernels (§5).
-PREP = Struct("PrepParams", [
-    ("sz", GEOM_SIZES),
-    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("ksum", PTR), ("amax", PTR), ("kmean", PTR), ("scales", PTR),
-    ("qhat", PTR), ("cq", PTR), ("sh", PTR), ("qstat", PTR), ("kvstat", PTR), ("khat", PTR), ("vhat", PTR),
-    ("nu", PTR),
-    ("qmul", F32), ("q_mode", I32), ("q_terms", I32), ("quant_k", I32), ("quant_v", I32), ("lsq", I32),
-    ("interleaved", I32), ("v_f16", I32), ("p2_lanes", I32), ("pad_vote", I32), ("fma", I32), ("span", TILE_SPAN),
-])
+    def get(name: str) -> Struct:
+        if name not in structs:
+            where, fields = lists[name]
+            structs[name] = Struct(name, [(f, _host_type(t, lists, get, f"{where} {name}.{f}")) for t, f in fields])
+        return structs[name]
 
-# cuda/pass1.cuh Pass1Args; eps .. Kf are apa_emu.constants.Pass1Consts, by the same names.
-PASS1_ARGS = Struct("Pass1Args", [
-    ("qhat", PTR), ("cq", PTR), ("khat", PTR), ("vhat", PTR), ("scales", PTR), ("nu", PTR), ("part", PTR),
-    ("ml", PTR), ("carry", PTR), ("span", TILE_SPAN), ("hot", PTR), ("trace_visits", PTR), ("visit_base", PTR),
-    ("eps", F32), ("delta", F32), ("tau", F32), ("A", F32), ("L", F32), ("Kf", F32),
-    ("ascending", I32), ("pow2", I32), ("interleaved", I32), ("quant_p", I32), ("output", I32), ("fma", I32),
-    ("pad_vote", I32), ("direct", I32),
-])
+    for name in lists:
+        get(name)
+    return structs
 
-# cuda/merge.cuh CertConsts: apa_emu.constants.CertConsts, by the same names (§9.7).
-CERT = Struct("CertConsts", [("sd", F32), ("cs", F32), ("c2", F32), ("fast", F32), ("delta", F32)])
 
-# cuda/pass2.cuh Pass2Args.
-PASS2_ARGS = Struct("Pass2Args", [
-    ("q", PTR), ("k", PTR), ("v", PTR), ("pages", KV_PAGES), ("kv_maps", PTR), ("sh", PTR), ("part", PTR), ("ml", PTR), ("hot", PTR), ("out", PTR),
-    ("cq", PTR), ("qstat", PTR), ("kvstat", PTR), ("bound", PTR),
-    ("trace_rows", PTR), ("row_base", PTR), ("qmul", F32), ("all_hot", I32), ("fma", I32), ("direct", I32),
-    ("cert", CERT),
-])
+def _host_type(ctype: str, lists, get, where: str):
+    """The NumPy scalar type or nested Struct of C type ``ctype``."""
+    ctype = " ".join(ctype.split())
+    if ctype.endswith("*"):
+        return PTR
+    if ctype in C_TYPES:
+        return C_TYPES[ctype]
+    if ctype in lists:
+        return get(ctype)
+    raise ValueError(f"{where}: type {ctype!r} is not a pointer, {', '.join(C_TYPES)} or a declared struct")
 
+
+DECLARED = declared()
+GEOM_SIZES = DECLARED["GeomSizes"]  # cuda/common.cuh: the sizes every kernel derives its geometry from (§6)
+KV_PAGES = DECLARED["KvPages"]  # cuda/common.cuh: paged KV (§5.0); a null table is the contiguous layout
+TILE_SPAN = DECLARED["TileSpan"]  # cuda/common.cuh: the tiles a launch forms or visits (§6.7)
+PREP = DECLARED["PrepParams"]  # cuda/apa.cu: the five prep kernels (§5)
+PASS1_ARGS = DECLARED["Pass1Args"]  # cuda/pass1.cuh; Pass1Consts and Pass1Flags by the same names
+CERT = DECLARED["CertConsts"]  # cuda/merge.cuh: apa_emu.constants.CertConsts by the same names (§9.7)
+PASS2_ARGS = DECLARED["Pass2Args"]  # cuda/pass2.cuh; Pass2Flags by the same names
 # cuda/apa.cu: the entry points of the two passes and of the fused persistent launch.
-PASS1 = Struct("Pass1Params", [("sz", GEOM_SIZES), ("pass1", PASS1_ARGS)])
-PASS2 = Struct("Pass2Params", [("sz", GEOM_SIZES), ("pass2", PASS2_ARGS)])
-FUSED = Struct("FusedParams", [
-    ("sz", GEOM_SIZES), ("B", I32), ("counters", PTR), ("flags", PTR), ("pass1", PASS1_ARGS), ("pass2", PASS2_ARGS),
-])
+PASS1, PASS2, FUSED = DECLARED["Pass1Params"], DECLARED["Pass2Params"], DECLARED["FusedParams"]
 
 # cuda/apa.cu's entry points and the struct each takes.
 KERNELS = {

@@ -42,13 +42,6 @@ def check_config(cfg: Config, d: int) -> None:
             f"apa_gpu: head dim {d} is not implemented (supported: {', '.join(map(str, SUPPORTED_D))})")
 
 
-def _q_mode(cfg: Config) -> int:
-    """cuda/apa.cu PrepParams q_mode."""
-    if not cfg.quant_q:
-        return 2
-    return 1 if cfg.q_format == "fp8" else 0
-
-
 class KVImages:
     """Prep's per-(b, hk) key images of pass 1 (cuda/prep.cuh): K̂, V̂ᵀ, ν (§5.8), with ``tiles`` slots,
     and the certificate maxima (§5.7). A call forms its own: every tile, or in the bounded schedule
@@ -99,7 +92,9 @@ class Plan:
         self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32",
                                exp2_fast=cfg.exp2 == "fast")
         self.layout = lay = device.layout(self.variant)
-        self.all_hot = cfg.eps < 0
+        # The toggles each kernel struct carries, lowered by Config once (apa_emu/constants.py).
+        self.prep_flags, self.pass1_flags, self.pass2_flags = cfg.prep_flags(), cfg.pass1_flags(), cfg.pass2_flags()
+        self.all_hot = self.pass2_flags.all_hot
         self.qmul = cfg.qmul(s.d)
         self.smem1 = lay.p1_smem
         self.smem2 = lay.p2_smem + 4 * lay.p2_mask_words * s.W  # every warp's hot-mask words: grows with S
@@ -115,7 +110,6 @@ class Plan:
         self.cq = xp.empty((B, Hkv, s.Rp), np.float32)
         self.sh = xp.empty((B, Hkv, s.Rp), np.float32)
         self.qstat = xp.empty((B, Hkv, s.Rp, 3), np.float32)
-        self.output = cfg.hot_test == "output"
         # A KV state's images, or this call's own: every tile, or the sink tile and one segment (§6.7).
         slots = 1 + min(self.segment, s.ntiles) if self.bounded else s.ntiles
         self.images = images or KVImages(s, cfg, slots, lay.kv_stats)
@@ -186,17 +180,15 @@ class Plan:
         page_size) (§5.0). ``stats``: a frozen chunk's statistics (apa_emu.kvstate.Stats, §5.9), which
         replace §5.1–5.2; ``from_tile``: the key images below it are the KV state's, formed under them.
         The bounded schedule forms only the sink tile's images here, and each segment's in attend."""
-        s, cfg, lay = self.shape, self.cfg, self.layout
+        s, lay = self.shape, self.layout
         table, page_size = pages if pages is not None else (None, 0)
         kv_pages = dict(table=table, page_size=page_size, max_pages=0 if table is None else table.shape[1])
         self._tensor_maps(k, v, table is None)
         self._prep_params = dict(  # pass 2 reads k, v and pages from here too
             sz=self.sizes, q=q, k=k, v=v, pages=kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
-            khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, q_mode=_q_mode(cfg), q_terms=cfg.q_terms,
-            quant_k=cfg.quant_k, quant_v=cfg.quant_v, lsq=cfg.block_scale == "lsq",
-            interleaved=cfg.p_groups == "interleaved", v_f16=cfg.v_f16, p2_lanes=cfg.p2_shift == "lanes", pad_vote=cfg.pad_vote,
-            fma=cfg.fma, span=self._span(0, 0))
+            khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, **self.prep_flags._asdict(),
+            span=self._span(0, 0))
         p = self._prep_params
         self.ksum.fill(0)
         self.amax.fill(0)
@@ -255,18 +247,15 @@ class Plan:
         schedule, each segment's key images first and pass 1 over it."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
-        direct = cfg.direct_store and cfg.eps >= 0  # §9.5: with ε < 0 every active tile is hot
         pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
                      part=self.part, ml=self.ml, carry=self.carry, span=self._span(0, s.ntiles), hot=self.hot,
                      trace_visits=self.visits, visit_base=self.visit_base,
-                     **cfg.pass1_consts()._asdict(), ascending=cfg.tile_order == "ascending",
-                     pow2=cfg.p_scale == "pow2", interleaved=cfg.p_groups == "interleaved", quant_p=cfg.quant_p,
-                     output=self.output, fma=cfg.fma, pad_vote=cfg.pad_vote, direct=direct)
+                     **cfg.pass1_consts()._asdict(), **self.pass1_flags._asdict())
         p = self._prep_params
         pass2 = dict(q=q, k=p["k"], v=p["v"], pages=p["pages"], kv_maps=self.kv_maps, sh=self.sh, part=self.part,
                      ml=self.ml, hot=self.hot, out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat,
-                     bound=self.bound, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul, all_hot=self.all_hot,
-                     fma=cfg.fma, direct=direct, cert=cfg.cert_consts(s.d)._asdict())
+                     bound=self.bound, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul,
+                     **self.pass2_flags._asdict(), cert=cfg.cert_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)

@@ -19,37 +19,40 @@
 
 using namespace apa;
 
-// The six prep kernels share one struct: each reads the fields of its own step (§5).
+// The six prep kernels share one struct: each reads the fields of its own step (§5). q_mode ..
+// fma are apa_emu.constants.PrepFlags, by the same names.
+#define APA_FIELDS_PrepParams(X)                                                                                 \
+    X(GeomSizes, sz)                                                                                             \
+    X(const uint16_t*, q)        /* [B, n, H, D] f16 */                                                          \
+    X(const uint16_t*, k)        /* [B, S, Hkv, D] f16, or a page pool [pages, page_size, Hkv, D] (§5.0) */      \
+    X(const uint16_t*, v)                                                                                        \
+    X(KvPages, pages)            /* table null: contiguous */                                                    \
+    X(unsigned long long*, ksum) /* zeroed by the host */                                                        \
+    X(unsigned int*, amax)       /* zeroed by the host */                                                        \
+    X(float*, kmean)                                                                                             \
+    X(float*, scales)                                                                                            \
+    X(uint16_t*, qhat)                                                                                           \
+    X(float*, cq)                                                                                                \
+    X(float*, sh)                                                                                                \
+    X(float*, qstat)                                                                                             \
+    X(unsigned int*, kvstat)     /* zeroed by the host */                                                        \
+    X(uint16_t*, khat)                                                                                           \
+    X(uint16_t*, vhat)                                                                                           \
+    X(uint16_t*, nu)             /* §5.8, output hot test only (else null) */                                    \
+    X(float, qmul)                                                                                               \
+    X(int, q_mode)               /* prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off */                     \
+    X(int, q_terms)                                                                                              \
+    X(int, quant_k)                                                                                              \
+    X(int, quant_v)                                                                                              \
+    X(int, lsq)                                                                                                  \
+    X(int, interleaved)                                                                                          \
+    X(int, v_f16)                /* §5.5: V ⊗ (1/vg) rounded to FP16 before quant16 */                           \
+    X(int, p2_lanes)             /* §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift) */ \
+    X(int, pad_vote)             /* §6.2: padding rows get row R − 1's Q̂ and c_q, to vote with */               \
+    X(int, fma)                  /* §1.8: those lanes' channel pairs fused */                                    \
+    X(TileSpan, span)            /* the tiles prep_k, _v, _cert form, and where (a KV state's are held, §5.9) */
 struct PrepParams {
-    GeomSizes sz;
-    const uint16_t* q;          // [B, n, H, D] f16
-    const uint16_t* k;          // [B, S, Hkv, D] f16, or a page pool [pages, page_size, Hkv, D] (§5.0)
-    const uint16_t* v;
-    KvPages pages;              // table null: contiguous
-    unsigned long long* ksum;   // zeroed by the host
-    unsigned int* amax;         // zeroed by the host
-    float* kmean;
-    float* scales;
-    uint16_t* qhat;
-    float* cq;
-    float* sh;
-    float* qstat;
-    unsigned int* kvstat;       // zeroed by the host
-    uint16_t* khat;
-    uint16_t* vhat;
-    uint16_t* nu;               // §5.8, output hot test only (else null)
-    float qmul;
-    int q_mode;                 // prep_q: 0 = NVFP4, 1 = FP8 E4M3, 2 = quantization off
-    int q_terms;
-    int quant_k;
-    int quant_v;
-    int lsq;
-    int interleaved;
-    int v_f16;                  // §5.5: V ⊗ (1/vg) rounded to FP16 before quant16
-    int p2_lanes;               // §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift)
-    int pad_vote;               // §6.2: padding rows get row R − 1's Q̂ and c_q, to vote with
-    int fma;                    // §1.8: those lanes' channel pairs fused
-    TileSpan span;              // the tiles prep_k, _v, _cert form, and where (a KV state's are held, §5.9)
+    APA_FIELDS_PrepParams(APA_MEMBER)
 };
 
 // A prep step that reads K or V, instantiated for the layout (prep.cuh kv_row): one uniform branch.
@@ -61,24 +64,26 @@ struct PrepParams {
             step<false>(__VA_ARGS__);          \
     } while (0)
 
+#define APA_FIELDS_Pass1Params(X) X(GeomSizes, sz) X(Pass1Args, pass1)
 struct Pass1Params {
-    GeomSizes sz;
-    Pass1Args pass1;
+    APA_FIELDS_Pass1Params(APA_MEMBER)
 };
 
+#define APA_FIELDS_Pass2Params(X) X(GeomSizes, sz) X(Pass2Args, pass2)
 struct Pass2Params {
-    GeomSizes sz;
-    Pass2Args pass2;
+    APA_FIELDS_Pass2Params(APA_MEMBER)
 };
 
 // Pass 1 and pass 2 share part, ml and hot: the host points both at the same buffers.
+#define APA_FIELDS_FusedParams(X)                                                                     \
+    X(GeomSizes, sz)                                                                                  \
+    X(int, B)                                                                                         \
+    X(unsigned int*, counters) /* [0]: the ticket; zeroed by the host before every launch */          \
+    X(unsigned int*, flags)    /* ready flag per work item; zeroed by the host before every launch */ \
+    X(Pass1Args, pass1)                                                                               \
+    X(Pass2Args, pass2)
 struct FusedParams {
-    GeomSizes sz;
-    int B;
-    unsigned int* counters;  // [0]: the ticket; zeroed by the host before every launch
-    unsigned int* flags;     // ready flag per work item; zeroed by the host before every launch
-    Pass1Args pass1;
-    Pass2Args pass2;
+    APA_FIELDS_FusedParams(APA_MEMBER)
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) apa_prep_stats(const __grid_constant__ PrepParams p) {
@@ -200,44 +205,14 @@ APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_
                 P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, K_THREADS, V_THREADS, V_SMEM, P1_CARRY,
                 TENSOR_MAP_BYTES);
 
-APA_PARAMS_LAYOUT(GeomSizes, APA_FIELD(GeomSizes, n), APA_FIELD(GeomSizes, H), APA_FIELD(GeomSizes, Hkv),
-                  APA_FIELD(GeomSizes, S), APA_FIELD(GeomSizes, q_offset), APA_FIELD(GeomSizes, window),
-                  APA_FIELD(GeomSizes, S_buf), APA_FIELD(GeomSizes, cu_q), APA_FIELD(GeomSizes, cu_k));
-APA_PARAMS_LAYOUT(KvPages, APA_FIELD(KvPages, table), APA_FIELD(KvPages, page_size),
-                  APA_FIELD(KvPages, max_pages));
-APA_PARAMS_LAYOUT(TileSpan, APA_FIELD(TileSpan, lo), APA_FIELD(TileSpan, hi), APA_FIELD(TileSpan, sink),
-                  APA_FIELD(TileSpan, first), APA_FIELD(TileSpan, stride));
-APA_PARAMS_LAYOUT(PrepParams, APA_FIELD(PrepParams, sz), APA_FIELD(PrepParams, q), APA_FIELD(PrepParams, k),
-                  APA_FIELD(PrepParams, v), APA_FIELD(PrepParams, pages), APA_FIELD(PrepParams, ksum), APA_FIELD(PrepParams, amax),
-                  APA_FIELD(PrepParams, kmean), APA_FIELD(PrepParams, scales), APA_FIELD(PrepParams, qhat),
-                  APA_FIELD(PrepParams, cq), APA_FIELD(PrepParams, sh), APA_FIELD(PrepParams, qstat),
-                  APA_FIELD(PrepParams, kvstat), APA_FIELD(PrepParams, khat),
-                  APA_FIELD(PrepParams, vhat), APA_FIELD(PrepParams, nu), APA_FIELD(PrepParams, qmul), APA_FIELD(PrepParams, q_mode), APA_FIELD(PrepParams, q_terms),
-                  APA_FIELD(PrepParams, quant_k), APA_FIELD(PrepParams, quant_v), APA_FIELD(PrepParams, lsq),
-                  APA_FIELD(PrepParams, interleaved), APA_FIELD(PrepParams, v_f16), APA_FIELD(PrepParams, p2_lanes),
-                  APA_FIELD(PrepParams, pad_vote), APA_FIELD(PrepParams, fma), APA_FIELD(PrepParams, span));
-APA_PARAMS_LAYOUT(Pass1Args, APA_FIELD(Pass1Args, qhat), APA_FIELD(Pass1Args, cq), APA_FIELD(Pass1Args, khat),
-                  APA_FIELD(Pass1Args, vhat), APA_FIELD(Pass1Args, scales), APA_FIELD(Pass1Args, nu),
-                  APA_FIELD(Pass1Args, part),
-                  APA_FIELD(Pass1Args, ml), APA_FIELD(Pass1Args, carry), APA_FIELD(Pass1Args, span),
-                  APA_FIELD(Pass1Args, hot), APA_FIELD(Pass1Args, trace_visits),
-                  APA_FIELD(Pass1Args, visit_base), APA_FIELD(Pass1Args, eps), APA_FIELD(Pass1Args, delta),
-                  APA_FIELD(Pass1Args, tau), APA_FIELD(Pass1Args, A), APA_FIELD(Pass1Args, L),
-                  APA_FIELD(Pass1Args, Kf), APA_FIELD(Pass1Args, ascending), APA_FIELD(Pass1Args, pow2),
-                  APA_FIELD(Pass1Args, interleaved), APA_FIELD(Pass1Args, quant_p), APA_FIELD(Pass1Args, output),
-                  APA_FIELD(Pass1Args, fma), APA_FIELD(Pass1Args, pad_vote), APA_FIELD(Pass1Args, direct));
-APA_PARAMS_LAYOUT(CertConsts, APA_FIELD(CertConsts, sd), APA_FIELD(CertConsts, cs), APA_FIELD(CertConsts, c2),
-                  APA_FIELD(CertConsts, fast), APA_FIELD(CertConsts, delta));
-APA_PARAMS_LAYOUT(Pass2Args, APA_FIELD(Pass2Args, q), APA_FIELD(Pass2Args, k), APA_FIELD(Pass2Args, v),
-                  APA_FIELD(Pass2Args, pages), APA_FIELD(Pass2Args, kv_maps),
-                  APA_FIELD(Pass2Args, sh), APA_FIELD(Pass2Args, part), APA_FIELD(Pass2Args, ml),
-                  APA_FIELD(Pass2Args, hot), APA_FIELD(Pass2Args, out), APA_FIELD(Pass2Args, cq),
-                  APA_FIELD(Pass2Args, qstat), APA_FIELD(Pass2Args, kvstat), APA_FIELD(Pass2Args, bound),
-                  APA_FIELD(Pass2Args, trace_rows), APA_FIELD(Pass2Args, row_base), APA_FIELD(Pass2Args, qmul),
-                  APA_FIELD(Pass2Args, all_hot), APA_FIELD(Pass2Args, fma), APA_FIELD(Pass2Args, direct),
-                  APA_FIELD(Pass2Args, cert));
-APA_PARAMS_LAYOUT(Pass1Params, APA_FIELD(Pass1Params, sz), APA_FIELD(Pass1Params, pass1));
-APA_PARAMS_LAYOUT(Pass2Params, APA_FIELD(Pass2Params, sz), APA_FIELD(Pass2Params, pass2));
-APA_PARAMS_LAYOUT(FusedParams, APA_FIELD(FusedParams, sz), APA_FIELD(FusedParams, B),
-                  APA_FIELD(FusedParams, counters), APA_FIELD(FusedParams, flags), APA_FIELD(FusedParams, pass1),
-                  APA_FIELD(FusedParams, pass2));
+// Every parameter struct's layout (params.cuh), which apa_gpu/device.py checks before a launch.
+APA_PARAMS_EXPORT(GeomSizes)
+APA_PARAMS_EXPORT(KvPages)
+APA_PARAMS_EXPORT(TileSpan)
+APA_PARAMS_EXPORT(PrepParams)
+APA_PARAMS_EXPORT(Pass1Args)
+APA_PARAMS_EXPORT(CertConsts)
+APA_PARAMS_EXPORT(Pass2Args)
+APA_PARAMS_EXPORT(Pass1Params)
+APA_PARAMS_EXPORT(Pass2Params)
+APA_PARAMS_EXPORT(FusedParams)

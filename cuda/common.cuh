@@ -3,6 +3,7 @@
 
 #include <stdint.h>
 #include "fpmath.cuh"
+#include "params.cuh"
 
 #ifndef APA_D
 #error "APA_D (head dim, 64, 128 or 256) must be defined by the build"
@@ -37,15 +38,21 @@ constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
 constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek, k2n, vn, ev (§5.7)
 
 // The basic sizes of one call, as every kernel's parameter struct carries them (apa.cu).
+// A varlen batch (§6.6): sequence b has rows cu_q[b] .. cu_q[b+1]-1 of q and keys cu_k[b] ..
+// cu_k[b+1]-1 of k and v; n and S are then the longest sequence's, which size the per-(b, hk)
+// buffers. cu_q and cu_k null: every batch entry has n rows and S keys.
+#define APA_FIELDS_GeomSizes(X)                                                                            \
+    X(int, n)                                                                                              \
+    X(int, H)                                                                                              \
+    X(int, Hkv)                                                                                            \
+    X(int, S)                                                                                              \
+    X(int, q_offset)                                                                                       \
+    X(int, window)      /* sliding window of W keys (§6.1); 0: full causal */                              \
+    X(int, S_buf)       /* keys the per-(b, hk) K and V images have room for (a KV state's, §5.9); 0: S */ \
+    X(const int*, cu_q) /* varlen: [B + 1] first rows of q */                                              \
+    X(const int*, cu_k) /* varlen: [B + 1] first keys of k and v */
 struct GeomSizes {
-    int n, H, Hkv, S, q_offset;
-    int window;  // sliding window of W keys (§6.1); 0: full causal
-    int S_buf;   // keys the per-(b, hk) K and V images have room for (a KV state's, §5.9); 0: S
-    // A varlen batch (§6.6): sequence b has rows cu_q[b] .. cu_q[b+1]-1 of q and keys cu_k[b] ..
-    // cu_k[b+1]-1 of k and v; n and S are then the longest sequence's, which size the per-(b, hk)
-    // buffers. Null: every batch entry has n rows and S keys.
-    const int* cu_q;
-    const int* cu_k;
+    APA_FIELDS_GeomSizes(APA_MEMBER)
 };
 
 // Runtime geometry of batch entry b of one call (numerics.md §6.1-6.3, §6.6), derived from the
@@ -114,10 +121,12 @@ struct Geom {
 
 // §5.0 paged KV: K and V are page pools [pages, page_size, Hkv, D] read through a block table;
 // table null: the contiguous [B, S, Hkv, D] layout.
+#define APA_FIELDS_KvPages(X)                              \
+    X(const int*, table) /* [B, max_pages], -1 = a hole */ \
+    X(int, page_size)                                      \
+    X(int, max_pages)
 struct KvPages {
-    const int* table;  // [B, max_pages], -1 = a hole
-    int page_size;
-    int max_pages;
+    APA_FIELDS_KvPages(APA_MEMBER)
 };
 
 // The element offset of the row (b, key s, hk) in K or V, or -1 for a hole, which reads as zeros. The
@@ -134,9 +143,14 @@ __device__ __forceinline__ long long kv_row(const KvPages& p, const Geom& g, int
 // visits (§6.7). The images hold tiles 0 .. sink-1 at slots 0 .. sink-1, then tile first + j at
 // slot sink + j, stride slots per (b, hk). One pass over all tiles: sink = first = 0, slot = tile.
 // The bounded schedule: sink = 1 (tile 0), and one segment of tiles after it at a time.
+#define APA_FIELDS_TileSpan(X)                     \
+    X(int, lo) /* the launch's tiles lo .. hi-1 */ \
+    X(int, hi)                                     \
+    X(int, sink)                                   \
+    X(int, first)                                  \
+    X(int, stride)
 struct TileSpan {
-    int lo, hi;  // the launch's tiles lo .. hi-1
-    int sink, first, stride;
+    APA_FIELDS_TileSpan(APA_MEMBER)
     __device__ __forceinline__ long long slot(int t) const { return t < sink ? t : sink + t - first; }
 };
 

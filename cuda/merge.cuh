@@ -3,6 +3,7 @@
 #pragma once
 
 #include "fpmath.cuh"
+#include "params.cuh"
 
 namespace apa {
 
@@ -28,8 +29,14 @@ __device__ __forceinline__ uint32_t merge_out2(const MergeWeights& mw, float2 pa
 }
 
 // §9.7 constants of a call (apa_emu.constants.CertConsts, by the same names).
+#define APA_FIELDS_CertConsts(X)                                               \
+    X(float, sd)    /* ≥ √d: 8, 12, 16 */                                      \
+    X(float, cs)    /* (d/16)·(2⁻¹¹ + 2⁻²⁰): pass 2's FP16 score chain */      \
+    X(float, c2)    /* pass 2's output arithmetic per hot tile, times log₂e */ \
+    X(float, fast)  /* 2⁻⁶ in the fast exp2 mode, else 0 */                    \
+    X(float, delta) /* §7.8 δ */
 struct CertConsts {
-    float sd, cs, c2, fast, delta;
+    APA_FIELDS_CertConsts(APA_MEMBER)
 };
 
 // §9.7 inputs of one row besides its merge weights: pass 1's m1, l1, ad1 and pass 2's l2; the row's

@@ -22,6 +22,22 @@ __host__ __device__ constexpr unsigned apa_name_hash(const char* s, unsigned h =
 // An int table the host reads back (apa_gpu/device.py): {count of the values, values...}.
 #define APA_EXPORT_INTS(name, ...) extern "C" __device__ const int name[] = {apa_count(__VA_ARGS__), __VA_ARGS__}
 
-// APA_PARAMS_LAYOUT(S, APA_FIELD(S, a), APA_FIELD(S, b), ...): every field of S, in order.
+// A parameter struct S is declared once, as its field list APA_FIELDS_S(X): one X(type, name) per
+// member, in order. `struct S { APA_FIELDS_S(APA_MEMBER) };` declares the members,
+// APA_PARAMS_EXPORT(S) exports their layout, and apa_gpu/params.py reads the same X lines for the
+// host's dtype. A type is a pointer, float, int, long long or another such struct. A field's comment
+// is a block comment on its line (a line comment would swallow the line continuation).
+#define APA_MEMBER(T, f) T f;
+#define APA_LAYOUT_COUNT_(T, f) +3
+#define APA_LAYOUT_FIELD_(T, f) , (int)offsetof(Self, f), (int)sizeof(Self::f), (int)apa_name_hash(#f)
+#define APA_PARAMS_EXPORT(S)                                                                        \
+    namespace apa_params_layout_##S {                                                               \
+    using Self = S;                                                                                 \
+    extern "C" __device__ const int apa_params_##S[] = {1 APA_FIELDS_##S(APA_LAYOUT_COUNT_),        \
+                                                        (int)sizeof(S) APA_FIELDS_##S(APA_LAYOUT_FIELD_)}; \
+    }
+
+// APA_PARAMS_LAYOUT(S, APA_FIELD(S, a), APA_FIELD(S, b), ...): the same table for a struct declared
+// by hand (probe.cu).
 #define APA_FIELD(S, f) (int)offsetof(S, f), (int)sizeof(S::f), (int)apa_name_hash(#f)
 #define APA_PARAMS_LAYOUT(S, ...) APA_EXPORT_INTS(apa_params_##S, (int)sizeof(S), __VA_ARGS__)

@@ -13,29 +13,37 @@
 
 namespace apa {
 
+// eps .. Kf are apa_emu.constants.Pass1Consts, ascending .. direct its Pass1Flags, by the same names.
+#define APA_FIELDS_Pass1Args(X)                                                                                \
+    X(const uint16_t*, qhat)                                                                                   \
+    X(const float*, cq)                                                                                        \
+    X(const uint16_t*, khat)                                                                                   \
+    X(const uint16_t*, vhat)                                                                                   \
+    X(const float*, scales)                                                                                    \
+    X(const uint16_t*, nu)    /* [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null) */     \
+    X(float*, part)           /* [B, Hkv, Rp, D]; between the launches of the bounded schedule, o (§6.7) */    \
+    X(float*, ml)             /* [B, Hkv, Rp, 3] = (m1, l1, ad1) */                                            \
+    X(float*, carry)          /* [B, Hkv, Rp, P1_CARRY]: the rest of the warp state between launches (§6.7) */ \
+    X(TileSpan, span)         /* the images' slots and the tiles this launch visits */                         \
+    X(uint32_t*, hot)         /* [B, Hkv, nw, W], zeroed by the host */                                        \
+    X(uint8_t*, trace_visits) /* VISIT_DTYPE records (trace builds) */                                         \
+    X(const int*, visit_base) /* [B, Hkv, nw]: first record index of the warp, -1 = not traced */              \
+    X(float, eps)             /* §7.7 */                                                                       \
+    X(float, delta)           /* §7.8 */                                                                       \
+    X(float, tau)             /* §7.2 */                                                                       \
+    X(float, A)               /* §7.4: 8 ⊖ τ */                                                                \
+    X(float, L)               /* §7.4: f32(log2 1536) ⊖ τ */                                                   \
+    X(float, Kf)              /* §7.10: f32(2^τ ⊘ 1536) */                                                     \
+    X(int, ascending)         /* tile order (§6.4): 0 = diagonal, 1 = ascending */                             \
+    X(int, pow2)              /* P scale kind (§7.4): 0 = ue4m3, 1 = pow2 */                                   \
+    X(int, interleaved)       /* P groups (§7.3) */                                                            \
+    X(int, quant_p)           /* §7.5 */                                                                       \
+    X(int, output)            /* hot test (§7.7): 0 = mass, 1 = output */                                      \
+    X(int, fma)               /* the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv */       \
+    X(int, pad_vote)          /* padding rows vote (§6.2): prep gave them row R − 1's Q̂ and c_q */            \
+    X(int, direct)            /* direct_store (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc) */
 struct Pass1Args {
-    const uint16_t* qhat;
-    const float* cq;
-    const uint16_t* khat;
-    const uint16_t* vhat;
-    const float* scales;
-    const uint16_t* nu;      // [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null)
-    float* part;             // [B, Hkv, Rp, D]; between the launches of the bounded schedule, o (§6.7)
-    float* ml;               // [B, Hkv, Rp, 3] = (m1, l1, ad1)
-    float* carry;            // [B, Hkv, Rp, P1_CARRY]: the rest of the warp state between launches (§6.7)
-    TileSpan span;           // the images' slots and the tiles this launch visits
-    uint32_t* hot;           // [B, Hkv, nw, W], zeroed by the host
-    uint8_t* trace_visits;   // VISIT_DTYPE records (trace builds)
-    const int* visit_base;   // [B, Hkv, nw]: first record index of the warp, -1 = not traced
-    float eps, delta, tau, A, L, Kf;
-    int ascending;           // tile order (§6.4): 0 = diagonal, 1 = ascending
-    int pow2;                // P scale kind (§7.4): 0 = ue4m3, 1 = pow2
-    int interleaved;         // P groups (§7.3)
-    int quant_p;             // §7.5
-    int output;              // hot test (§7.7): 0 = mass, 1 = output
-    int fma;                 // the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
-    int pad_vote;            // padding rows vote (§6.2): prep gave them row R − 1's Q̂ and c_q
-    int direct;              // direct_store (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc)
+    APA_FIELDS_Pass1Args(APA_MEMBER)
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],

@@ -13,28 +13,31 @@
 
 namespace apa {
 
+// all_hot, fma and direct are apa_emu.constants.Pass2Flags, by the same names.
+#define APA_FIELDS_Pass2Args(X)                                                                                       \
+    X(const uint16_t*, q)          /* [B, n, H, D] f16 */                                                             \
+    X(const uint16_t*, k)          /* the inputs: [B, S, Hkv, D] f16, or page pools (§5.0) */                         \
+    X(const uint16_t*, v)                                                                                             \
+    X(KvPages, pages)              /* table null: contiguous */                                                       \
+    X(const void*, kv_maps)        /* contiguous: the tensor maps of k and v (apa_gpu/device.py); paged: null */      \
+    X(const float*, sh)            /* [B, Hkv, Rp] */                                                                 \
+    X(const float*, part)          /* [B, Hkv, Rp, D] (unused when all_hot) */                                        \
+    X(const float*, ml)            /* [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot) */                        \
+    X(uint32_t*, hot)              /* [B, Hkv, nw, W]: read; written when all_hot */                                  \
+    X(uint16_t*, out)              /* [B, n, H, D] f16 */                                                             \
+    X(const float*, cq)            /* [B, Hkv, Rp] (§5.3) */                                                          \
+    X(const float*, qstat)         /* [B, Hkv, Rp, 3] (§5.7) */                                                       \
+    X(const unsigned int*, kvstat) /* [B, Hkv, 5] float bits (§5.7) */                                                \
+    X(float*, bound)               /* [B, n, H] f32: err_bound (§9.7) */                                              \
+    X(uint8_t*, trace_rows)        /* row_dtype(D) records (trace builds) */                                          \
+    X(const int*, row_base)        /* [B, Hkv, nw]: record index of the warp's first row, -1 = not traced */          \
+    X(float, qmul)                                                                                                    \
+    X(int, all_hot)                /* ε < 0 (§9.6): no pass 1, every active tile hot */                               \
+    X(int, fma)                    /* the seed's FMA sites (§1.8): §8.1 x, §9.3-9.4 */                                \
+    X(int, direct)                 /* direct_store (§9.5): a warp with no hot tile stores f16(part), not the merge */ \
+    X(CertConsts, cert)
 struct Pass2Args {
-    const uint16_t* q;       // [B, n, H, D] f16
-    const uint16_t* k;       // the inputs: [B, S, Hkv, D] f16, or page pools (§5.0)
-    const uint16_t* v;
-    KvPages pages;           // table null: contiguous
-    const void* kv_maps;     // contiguous: the tensor maps of k and v (apa_gpu/device.py); paged: null
-    const float* sh;         // [B, Hkv, Rp]
-    const float* part;       // [B, Hkv, Rp, D] (unused when all_hot)
-    const float* ml;         // [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot)
-    uint32_t* hot;           // [B, Hkv, nw, W]: read; written when all_hot
-    uint16_t* out;           // [B, n, H, D] f16
-    const float* cq;         // [B, Hkv, Rp] (§5.3)
-    const float* qstat;      // [B, Hkv, Rp, 3] (§5.7)
-    const unsigned int* kvstat;  // [B, Hkv, 5] float bits (§5.7)
-    float* bound;            // [B, n, H] f32: err_bound (§9.7)
-    uint8_t* trace_rows;     // row_dtype(D) records (trace builds)
-    const int* row_base;     // [B, Hkv, nw]: record index of the warp's first row, -1 = not traced
-    float qmul;
-    int all_hot;             // ε < 0 (§9.6): no pass 1, every active tile hot
-    int fma;                 // the seed's FMA sites (§1.8): §8.1 x, §9.3-9.4
-    int direct;              // direct_store (§9.5): a warp with no hot tile stores f16(part), not the merge
-    CertConsts cert;
+    APA_FIELDS_Pass2Args(APA_MEMBER)
 };
 
 // row_dtype(D) byte layout (apa_emu/trace.py): b, hk, row (i4), m1, l1, m2, l2, ad1, err_bound (f4),

@@ -4,6 +4,8 @@ module exports. The packing tests need no device; the layout tests are marked ``
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,8 @@ from apa_emu.config import Config
 from apa_emu.geometry import Shape
 from apa_gpu import device, probes
 from apa_gpu.build import PROBE, Variant
-from apa_gpu.params import F32, FUSED, GEOM_SIZES, I32, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct, name_hash
+from apa_gpu.params import (CUDA_DIR, F32, FUSED, GEOM_SIZES, I32, I64, PASS1, PASS2, PASS2_ARGS, PREP, PTR, Struct,
+                            declared, name_hash)
 from apa_gpu.plan import Plan
 
 
@@ -138,6 +141,45 @@ def test_reordered_struct_is_refused():
     bad = Struct("Pass2Params", [("sz", GEOM_SIZES), ("pass2", Struct("Pass2Args", fields))])
     with pytest.raises(RuntimeError, match="Pass2Args"):
         device.kernel(Variant(d=64), "apa_pass2", bad)
+
+
+def _sources(tmp_path, file: str, *edits: tuple[str, str]):
+    """A copy of cuda/ with ``edits`` (old, new) made in turn in ``file`` (each old occurring once)."""
+    cuda = tmp_path / "cuda"
+    shutil.copytree(CUDA_DIR, cuda, ignore=shutil.ignore_patterns("sim"))
+    text = (cuda / file).read_text()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (cuda / file).write_text(text)
+    return cuda
+
+
+def test_structs_are_read_from_their_field_lists(tmp_path):
+    """A field added to an X-macro line list reaches the host's struct and every struct nesting it, in
+    place and with C's alignment, with no other edit (cuda/params.cuh APA_FIELDS_S)."""
+    structs = declared(_sources(tmp_path, "pass1.cuh", ("X(int, direct) ", "X(long long, extra) X(int, direct) ")))
+    args = structs["Pass1Args"]
+    assert [f for f, _ in args.fields][-3:] == ["pad_vote", "extra", "direct"] and dict(args.fields)["extra"] is I64
+    assert args.dtype.fields["extra"][1] % 8 == 0 and args.dtype.itemsize == PASS1.dtype["pass1"].itemsize + 16
+    assert structs["FusedParams"].dtype["pass1"] == args.dtype and dict(structs["Pass1Params"].fields)["pass1"] is args
+    assert declared().keys() == structs.keys() and declared()["Pass2Args"].layout() == PASS2_ARGS.layout()
+
+
+def test_a_field_type_the_host_cannot_hold_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"pass2\.cuh Pass2Args\.fma: type 'bool' is not a pointer"):
+        declared(_sources(tmp_path, "pass2.cuh", ("X(int, fma)", "X(bool, fma)")))
+
+
+@pytest.mark.gpu
+def test_module_built_from_other_field_lists_is_refused(tmp_path):
+    """The exported layout checks the host's reading of the field lists: a host that read lists with
+    two fields of one size swapped (the kernel keeps its own order) does not launch."""
+    swap = (("X(int, fma)", "X(int, tmp)"), ("X(int, direct)", "X(int, fma)"), ("X(int, tmp)", "X(int, direct)"))
+    bad = declared(_sources(tmp_path, "pass2.cuh", *swap))
+    assert [f for f, _ in bad["Pass2Args"].fields][-3:-1] == ["direct", "fma"]
+    with pytest.raises(RuntimeError, match="Pass2Args"):
+        device.kernel(Variant(d=64), "apa_pass2", bad["Pass2Params"])
 
 
 @pytest.mark.parametrize("call, message", [
