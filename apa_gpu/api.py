@@ -56,11 +56,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
 def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: int | None = None) -> Result:
     """The kernel's Result of a resolved call (apa_emu.call), in one launch per pass whatever the batch."""
     schedule = schedule or os.environ.get("APA_GPU_SCHEDULE", "separate")
-    if segment_tiles is not None and schedule != "bounded":
-        raise ValueError(f"segment_tiles={segment_tiles!r}: only the bounded schedule has segments, "
-                         f"not schedule={schedule!r}")
     shape = call.shape
-    check_config(cfg, shape.d)
+    Plan.check(shape, cfg, schedule, segment_tiles)  # before anything reaches the device
     be = device.backend()
     qd, kd, vd = (_as_device(x, be.xp) for x in (call.q, call.k, call.v))
     pages = None if call.pages is None else (be.xp.asarray(call.pages.table), call.pages.page_size)
@@ -72,8 +69,7 @@ def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: 
             call.kv_state.cache = None  # it forms its own images, each call: later chunks must not reuse older ones
         else:
             images, from_tile = _state_images(call.kv_state, frozen is not None, shape, cfg)
-    bounded = {} if segment_tiles is None else dict(segment=segment_tiles)
-    plan = Plan(shape, cfg, call.want, schedule, call.seqs, images, **bounded)
+    plan = Plan(shape, cfg, call.want, schedule, call.seqs, images, segment_tiles)
     plan.run(qd, kd, vd, pages, frozen, from_tile)
     if call.kv_state is not None:
         kvstate.finish(call.kv_state, kd, plan.stats(), be.xp)
@@ -129,7 +125,7 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     cfg = config or Config()
     call = resolve_call(q, k, v, q_offset)
     s = call.shape
-    check_config(cfg, s.d)
+    Plan.check(s, cfg)
     qd, kd, vd = (_as_device(x, device.backend().xp) for x in (call.q, call.k, call.v))
     plan = Plan(s, cfg, None)
     plan.prep(qd, kd, vd)

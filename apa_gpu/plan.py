@@ -74,15 +74,26 @@ class Plan:
     longest sequence's sizes (B = the sequences), which size the per-(b, hk) buffers, and the kernels
     read each sequence's own from cu_seqlens (cuda/common.cuh Geom). ``images``: a KV state's key
     images (§5.9), used in place of the call's own (not under the bounded schedule). ``segment``: the
-    bounded schedule's tiles per segment."""
+    bounded schedule's tiles per segment (None: SEGMENT_TILES; refused with another schedule)."""
 
-    def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate",
-                 seqs: Seqs | None = None, images: KVImages | None = None, segment: int = SEGMENT_TILES):
+    @staticmethod
+    def check(shape: Shape, cfg: Config, schedule: str = "separate", segment: int | None = None) -> int:
+        """Refuse what the kernel cannot run (a config, a schedule, segments), before any device work;
+        returns the bounded schedule's tiles per segment."""
         check_config(cfg, shape.d)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if segment is not None and schedule != "bounded":
+            raise ValueError(f"segment_tiles={segment!r}: only the bounded schedule has segments, "
+                             f"not schedule={schedule!r}")
+        segment = SEGMENT_TILES if segment is None else segment
         if isinstance(segment, bool) or not isinstance(segment, (int, np.integer)) or segment < 1:
             raise ValueError(f"segment={segment!r}: expected a positive number of tiles")
+        return int(segment)
+
+    def __init__(self, shape: Shape, cfg: Config, want: tr.TraceRequest | None = None, schedule: str = "separate",
+                 seqs: Seqs | None = None, images: KVImages | None = None, segment: int | None = None):
+        segment = self.check(shape, cfg, schedule, segment)
         self.bounded = schedule == "bounded"
         if self.bounded and images is not None:
             raise ValueError("the bounded schedule forms its own key images; a KV state's are not used with it")
