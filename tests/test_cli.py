@@ -11,7 +11,8 @@ import pytest
 from apa_emu import Config
 from apa_emu.study.cli import main
 from apa_emu.study.dump import write_dump
-from apa_emu.study.scan import ATTRIBUTE_VARIANTS, Pairs, attribute, run_pairs
+from apa_emu.study.commands.attribute import ATTRIBUTE_VARIANTS, attribute
+from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")

@@ -21,6 +21,7 @@ import pytest
 from apa_emu import Config, attention
 from apa_emu.study import report, scan
 from apa_emu.study.cli import build_parser, main
+from apa_emu.study.commands import worst
 from apa_emu.study.dump import Dump, write_dump
 from apa_emu.study.synth import synthetic
 from apa_emu.trace import VISIT_FIELDS, row_dtype
@@ -204,7 +205,7 @@ def test_headroom_estimates_predict_the_overflow(v_mean, q_scale):
     q = (0.05 * q_scale * rng.standard_normal((16, 1, 64))).astype(np.float16)
     k = (q_scale * rng.standard_normal((S, 1, 64))).astype(np.float16)
     v = (v_mean + rng.standard_normal((S, 1, 64))).astype(np.float16)
-    _, diags = scan.worst(Dump(q, k, v, S - 16), Config(eps=-1), 16)
+    _, diags = worst.worst(Dump(q, k, v, S - 16), Config(eps=-1), 16)
     for diag in diags:
         assert (diag.max_o16 > scan.F16_MAX) == ("o2" in (diag.overflow or ""))
         if "scores" in (diag.overflow or ""):
@@ -289,7 +290,8 @@ def test_help_gives_every_option_a_meaning_and_its_default():
 
 
 def test_help_lists_config_keys_and_columns():
-    from apa_emu.study.scan import ATTRIBUTE_VARIANTS, PairDiagnostics
+    from apa_emu.study.commands.attribute import ATTRIBUTE_VARIANTS
+    from apa_emu.study.scan import PairDiagnostics
 
     for name, parser in _subparsers().items():
         if name in ("synth", "smollm2", "gemma3"):

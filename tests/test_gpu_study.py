@@ -20,6 +20,7 @@ from test_study_engine import assert_same_scans
 from apa_emu import Config, reference_rows
 from apa_emu.study import engine, fp64, scan
 from apa_emu.study.cli import main
+from apa_emu.study.commands import attribute, sweep
 from apa_emu.study.dump import Dump, builtin_dump_path, read_dump, write_dump
 from apa_emu.study.synth import synthetic_preset
 
@@ -85,7 +86,7 @@ def test_scan_and_sweep_match_the_cpu_engine(which, builtin, big):
     configs = [Config(eps=e) for e in (-1.0, 0.001, 0.02, 1e9)]
     for g, c in zip(scan.evaluate(jobs, configs, gpu)[0], scan.evaluate(jobs, configs, cpu)[0]):
         assert_same_scans(g, c)
-    rows = [scan.sweep_jobs(jobs, Config(), [-1.0, 0.005, 1e9], e)[0][0] for e in (gpu, cpu)]
+    rows = [sweep.sweep_jobs(jobs, Config(), [-1.0, 0.005, 1e9], e)[0][0] for e in (gpu, cpu)]
     for g, c in zip(*rows):
         assert (g.hot_share, g.pass2_tiles, g.below_0_999, g.nonfinite) == (c.hot_share, c.pass2_tiles,
                                                                            c.below_0_999, c.nonfinite)
@@ -97,13 +98,13 @@ def test_attribute_matches_the_cpu_engine(which, builtin, big):
     dump = builtin if which == "builtin" else big
     jobs = [scan.Job.of(dump, edge_pairs(dump))]
     gpu, cpu = _engines()
-    g, c = (scan.attribute_jobs(jobs, Config(), e, cpu_worst=3, workers=WORKERS, seed=False).tables[0]
+    g, c = (attribute.attribute_jobs(jobs, Config(), e, cpu_worst=3, workers=WORKERS, seed=False).tables[0]
             for e in (gpu, cpu))  # the seed column runs on the CPU emulator under either engine
-    assert list(g.variants) == list(c.variants) == list(scan.ATTRIBUTE_VARIANTS)
+    assert list(g.variants) == list(c.variants) == list(attribute.ATTRIBUTE_VARIANTS)
     lacks = {"all, exact MMA", "all, sm120 MMA"}
     assert {n for n, s in g.variants.items() if s.engine == "cpu"} == lacks
     # The tables list pairs worst first; cosines equal to 1e-12 may order a near tie differently.
-    for name in scan.ATTRIBUTE_VARIANTS:
+    for name in attribute.ATTRIBUTE_VARIANTS:
         by_pair = [dict(zip(zip(t.pairs.rows.tolist(), t.pairs.heads.tolist()), t.variants[name].cos)) for t in (g, c)]
         common = by_pair[0].keys() & by_pair[1].keys()
         assert len(common) >= (2 if name in lacks else len(jobs[0].pairs)), name

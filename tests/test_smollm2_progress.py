@@ -10,7 +10,8 @@ import pytest
 
 from apa_emu.study import smollm2
 from apa_emu.study.dump import read_dump
-from apa_emu.study.smollm2 import HParams, Llama, make_dumps
+from apa_emu.study.lm import HParams
+from apa_emu.study.smollm2 import Llama, make_dumps
 
 
 class TinyLlama(Llama):

@@ -21,6 +21,7 @@ import apa_gpu
 from apa_emu import Config, pair_metrics, reference_rows
 from apa_emu.study import check, engine, fp64, scan
 from apa_emu.study.cli import main
+from apa_emu.study.commands import attribute, sweep
 from apa_emu.study.dump import Dump, read_dump, write_dump
 from apa_emu.study.synth import synthetic
 
@@ -264,7 +265,7 @@ def test_worst_attribute_sweep_headroom_of_several_dumps(capsys, dumps, tmp_path
     png = tmp_path / "heat.png"
     att = run_json(capsys, "attribute", a, b, "--worst", "2", "--plot", str(png), *cpu)
     assert png.stat().st_size > 1000 and att["plot"] == str(png)
-    assert set(att["pooled"]) == set(scan.ATTRIBUTE_VARIANTS)
+    assert set(att["pooled"]) == set(attribute.ATTRIBUTE_VARIANTS)
     for name, pooled in att["pooled"].items():
         parts = [d["variants"][name]["cos"] for d in att["per_dump"]]
         assert pooled["cos"] == sum(parts, []) and pooled["pairs"] == 4 and pooled["engine"] == "cpu"
@@ -292,11 +293,11 @@ def test_empty_folder_is_one_line(capsys, tmp_path):
 
 
 def test_attribute_every_pair_with_breakdown(dumps, tmp_path):
-    from apa_emu.study.plots import plot_heatmap
+    from apa_emu.study.commands.attribute import plot_heatmap
 
     d = dumps["b"]
-    variants = {k: scan.ATTRIBUTE_VARIANTS[k] for k in ("all (default)", "none", "all, exact MMA")}
-    table = scan.attribute(d, Config(), backend="cpu", variants=variants, buckets=3)
+    variants = {k: attribute.ATTRIBUTE_VARIANTS[k] for k in ("all (default)", "none", "all, exact MMA")}
+    table = attribute.attribute(d, Config(), backend="cpu", variants=variants, buckets=3)
     base = scan.run_pairs(d, Config(), scan.Pairs.select(d.n, d.nh), backend="cpu")
     order = base.order()
     assert np.array_equal(table.pairs.rows, base.pairs.rows[order])
@@ -335,10 +336,10 @@ def test_gpu_engine_code_gives_the_cpu_engines_results(numpy_gpu, dumps):
     gpu, cpu = engine.GpuEngine(), engine.CpuEngine()
     assert_same_scans(scan.run_pairs(d, Config(), pairs, backend=gpu), scan.run_pairs(d, Config(), pairs, backend=cpu))
     jobs = [scan.Job.of(d, pairs)]
-    for g, c in zip(*(scan.sweep_jobs(jobs, Config(), [-1, 0.02], e)[0][0] for e in (gpu, cpu))):
+    for g, c in zip(*(sweep.sweep_jobs(jobs, Config(), [-1, 0.02], e)[0][0] for e in (gpu, cpu))):
         assert g.pass2_tiles == c.pass2_tiles and g.min_cos == pytest.approx(c.min_cos, abs=1e-12)
-    variants = {k: scan.ATTRIBUTE_VARIANTS[k] for k in ("all (default)", "K only", "all, exact MMA")}
-    g, c = (scan.attribute_jobs(jobs, Config(), e, variants=variants, cpu_worst=2, seed=False).tables[0]
+    variants = {k: attribute.ATTRIBUTE_VARIANTS[k] for k in ("all (default)", "K only", "all, exact MMA")}
+    g, c = (attribute.attribute_jobs(jobs, Config(), e, variants=variants, cpu_worst=2, seed=False).tables[0]
             for e in (gpu, cpu))
     assert [s.engine for s in g.variants.values()] == ["gpu", "gpu", "cpu"]
     assert [s.pairs for s in g.variants.values()] == [6, 6, 2]

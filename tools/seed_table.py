@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apa_emu.config import SEED_TOGGLES, Config  # noqa: E402
 from apa_emu.study import scan  # noqa: E402
+from apa_emu.study.commands import sweep  # noqa: E402
 from apa_emu.study.dump import builtin_dump_path, read_dump  # noqa: E402
 from apa_emu.study.engine import select_engine  # noqa: E402
 from apa_emu.study.report import progress_bar  # noqa: E402
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
         for j, name in enumerate(ROWS):
             for job, per_job in zip(jobs, runs):
                 base, s = per_job[i * len(ROWS)], per_job[i * len(ROWS) + j]
-                row = scan.SweepRow.of(s)
+                row = sweep.SweepRow.of(s)
                 moved = int((s.cos != base.cos).sum())
                 print(f"| {name} | {job.name} | {row.hot_share:.4f} | {row.mean_cos:.7f} | {row.min_cos:.6f} | "
                       f"{moved} of {len(s.cos)} |")

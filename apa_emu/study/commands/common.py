@@ -1,0 +1,279 @@
+"""What the ``apa`` commands share: the options every study takes, the dumps and pairs they name,
+the engine, the progress bar with its Ctrl-C, and the head of every JSON report.
+
+It lives with the commands rather than in ``cli``: the commands import it, and ``cli`` imports the
+commands, so the dispatcher stays the one module nothing imports (``python -m apa_emu.study.cli``
+loads it as ``__main__``, where a second copy would hold a second Ctrl-C state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ...config import CHOICES, Config
+from ..dump import builtin_dump_path, read_dump
+from ..engine import BACKENDS, select_engine
+from ..report import NUMBA_WAIT, progress_bar, say
+from ..scan import Job, Pairs
+
+DUMP_SUFFIX = ".apadump"
+# What the progress bar says while the first step is slow
+WAITS = {"cpu": NUMBA_WAIT, "gpu": "the first run builds the kernel with nvcc, a minute or two"}
+
+
+def at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+count = at_least(1)
+
+
+def _devices(text: str) -> tuple[int, ...]:
+    try:
+        devices = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU numbers like 0,1, got {text!r}") from None
+    if min(devices) < 0:
+        raise argparse.ArgumentTypeError(f"GPU numbers are at least 0, got {text!r}")
+    return devices
+
+
+def study_options(p, many=True) -> None:
+    """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
+    and --json."""
+    if many:
+        p.add_argument("dumps", nargs="*", metavar="DUMP",
+                       help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
+                            "row per dump and a pooled row (default: the built-in SmolLM2 dump)")
+    else:
+        p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
+    p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
+                   "(keys below)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
+                        "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
+                        "dim 64, 128 or 256), else the CPU, saying why in one line. Both give the same numbers")
+    if many:
+        p.add_argument("--devices", type=_devices, metavar="I,J",
+                       help="GPUs to share the (dump, KV head) units, one process each, e.g. 0,1 (default: the "
+                            "current GPU)")
+    p.add_argument("--workers", type=count, default=1, metavar="N",
+                   help="CPU engine: processes that share the warps (results are bitwise the same for any N; "
+                        "at most the CPU count)")
+    p.add_argument("--json", action="store_true", help="print strict JSON for scripts instead of tables "
+                   "(NaN and Inf become null, listed by path under non_finite)")
+
+
+def eps(p) -> None:
+    p.add_argument("--eps", type=float, help="ε, the hot threshold: a tile is recomputed exactly when its share "
+                   "of the running row sum exceeds ε; < 0 makes every tile exact (default: the config's, 0.005)")
+
+
+def selection(p) -> None:
+    p.add_argument("--rows", help="query rows: A:B (half-open), a,b,c or one index (default: all)")
+    p.add_argument("--heads", help="query heads: A:B (half-open), a,b,c or one index (default: all)")
+
+
+# What --config accepts for the keys that are neither on/off nor a fixed set of words.
+_ACCEPTS = {"eps": "a number (< 0: every tile exact)", "delta": "a number >= 0", "tau": "an integer in 0..8",
+            "q_terms": "1 | 2", "scale": "a number > 0 | none (1/sqrt(d))"}
+
+
+def config_epilog() -> str:
+    lines = []
+    for f in dataclasses.fields(Config):
+        default = getattr(Config(), f.name)
+        if isinstance(default, bool):
+            accepted, default = "on | off", "on" if default else "off"
+        else:
+            accepted = " | ".join(CHOICES[f.name]) if f.name in CHOICES else _ACCEPTS[f.name]
+        lines.append(f"  {f.name:<12} {accepted:<40} default {'none' if default is None else default}")
+    return ("--config keys (docs/numerics.md §1–§9 says what each one does; a first preset=seed starts from the "
+            "seed's arithmetic, §12):\n" + "\n".join(lines))
+
+
+def study_epilog(notes: str = "") -> str:
+    """A study's help epilog: its notes, then the --config keys."""
+    return "\n\n".join(x for x in (notes, config_epilog()) if x)
+
+
+def parse_list(text: str | None, what: str):
+    """'0:64', '3,5,9' or '7' -> an index array (None if not given)."""
+    if text is None:
+        return None
+    try:
+        if ":" in text:
+            a, b = text.split(":", 1)
+            return np.arange(int(a), int(b))
+        return np.array([int(x) for x in text.split(",") if x.strip()])
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: expected A:B, a comma list or one integer") from None
+
+
+def load(args):
+    path = Path(args.dump) if args.dump else builtin_dump_path()
+    return read_dump(path), path
+
+
+def dump_paths(args) -> list[Path]:
+    """The dump files named, a folder standing for its *.apadump files (the built-in dump if none)."""
+    if not args.dumps:
+        return [builtin_dump_path()]
+    paths = []
+    for text in args.dumps:
+        path = Path(text)
+        if path.is_dir():
+            found = sorted(p for p in path.glob(f"*{DUMP_SUFFIX}") if not p.is_dir())
+            if not found:
+                raise ValueError(f"{path}: a folder with no {DUMP_SUFFIX} file")
+            paths += found
+        else:
+            paths.append(path)
+    return paths
+
+
+def _pairs(args, dump):
+    return Pairs.select(dump.n, dump.nh, parse_list(getattr(args, "rows", None), "--rows"),
+                        parse_list(getattr(args, "heads", None), "--heads"))
+
+
+def _jobs(args):
+    """Each dump with its selected pairs (--rows, --heads where the command has them)."""
+    paths = dump_paths(args)
+    jobs = []
+    for path in paths:
+        dump = read_dump(path)
+        try:
+            jobs.append(Job(dump, _pairs(args, dump), path.name))
+        except ValueError as e:
+            raise ValueError(f"{path.name}: {e}" if len(paths) > 1 else str(e)) from None
+    return jobs
+
+
+def config(args) -> Config:
+    cfg = Config.from_overrides(args.config or [])
+    value = getattr(args, "eps", None)
+    return cfg.replace(eps=value) if isinstance(value, float) else cfg  # sweep's --eps is a list, applied per run
+
+
+def cfg_name(cfg: Config) -> str:
+    """The config as the toggles that differ from the defaults."""
+    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(Config)
+               if getattr(cfg, f.name) != getattr(Config(), f.name)]
+    return " ".join(changed) or "default config"
+
+
+def engine(args, cfg: Config, dims):
+    """The engine of the command, chosen once; a fallback of --backend auto is said in one line."""
+    chosen = select_engine(args.backend, [cfg], dims, workers=args.workers,
+                           devices=getattr(args, "devices", None) or ())
+    if chosen.note:
+        print(f"apa: note: {chosen.note}", file=sys.stderr)
+    return chosen
+
+
+class CtrlC:
+    """SIGINT as KeyboardInterrupt in the main process only: forked workers inherit the handler and let
+    Ctrl-C pass (the pool's exit ends them; their tracebacks would bury the one line).
+
+    Python prints and swallows an exception raised in a finalizer, and the handler may run inside
+    one: the signal is remembered too, and the next progress step raises it."""
+
+    def __init__(self):
+        self.pid, self.hit = os.getpid(), False
+
+    def arm(self):
+        self.pid, self.hit = os.getpid(), False
+        return signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, frame):
+        if os.getpid() == self.pid:
+            self.hit = True
+            raise KeyboardInterrupt
+
+    def watch(self, progress):
+        def update(done, total):
+            if self.hit:
+                raise KeyboardInterrupt
+            if progress:
+                progress(done, total)
+
+        return update
+
+
+CTRL_C = CtrlC()
+
+
+@contextmanager
+def progress(enabled: bool, label: str, *wait: str):
+    with progress_bar(enabled, label, *wait) as bar:
+        yield CTRL_C.watch(bar)
+
+
+def run_study(args, compute):
+    """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
+    progress bar."""
+    jobs = _jobs(args)
+    cfg = config(args)
+    chosen = engine(args, cfg, [job.dump.hd for job in jobs])
+    label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
+    with progress(not args.json, label, WAITS[chosen.name]) as prog:
+        return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
+
+
+def payload(jobs, cfg: Config, engine, **fields) -> dict:
+    paths = [str(job.dump.path) for job in jobs]
+    where = dict(dump=paths[0]) if len(paths) == 1 else dict(dumps=paths)
+    return dict(**where, config=dataclasses.asdict(cfg), backend=engine.name, **fields)
+
+
+def per_dump(jobs, parts) -> list[dict]:
+    return [dict(dump=str(job.dump.path), **part) for job, part in zip(jobs, parts)]
+
+
+def what(jobs) -> str:
+    return jobs[0].name if len(jobs) == 1 else f"{len(jobs)} dumps"
+
+
+def named(jobs, title: str) -> str:
+    return f"{title} {what(jobs)}"
+
+
+def model_options(p, sample: str, layers_help: str, layers, max_tokens: int, context: str) -> None:
+    """The options of a command that runs a real model over a text: where its dumps go, the text
+    (default: the ``sample`` it ships), which layers, how many query rows and keys."""
+    p.add_argument("out_dir", help="folder for the dumps (created if missing)")
+    p.add_argument("--text", help=f"a UTF-8 text file (default: the bundled sample, {sample})")
+    p.add_argument("--layers", type=int, nargs="+", default=layers, help=layers_help)
+    p.add_argument("--n", type=count, default=512, help="query rows per dump (the last n positions)")
+    p.add_argument("--max-tokens", type=count, default=max_tokens,
+                   help=f"keys per dump: the text's first N tokens ({context})")
+
+
+def model_dumps(args, module: str, label: str, wait: str) -> None:
+    """Run a real model (apa_emu.study.``module``, imported only now: it needs the models extra) over
+    a text and name the dumps it writes."""
+    make_dumps = importlib.import_module(f"..{module}", __package__).make_dumps
+    with progress(True, label, wait) as prog:
+        paths = make_dumps(Path(args.text) if args.text else None, args.layers, args.n, args.out_dir,
+                           args.max_tokens, progress=prog)
+    for p in paths:
+        say(str(p))

@@ -1,0 +1,84 @@
+"""``apa scan``: every selected pair against float64 attention, and the error certificate (§9.7).
+
+The study itself, ``scan_jobs`` and its ``Scan``, lives in the library's ``scan``: every other study
+builds on it."""
+
+from __future__ import annotations
+
+from ..report import emit, table
+from ..scan import Scan, scan_jobs
+from . import common
+
+HELP = "every (row, head) pair vs float64: cosines, relative L2, hot share, the error certificate"
+_CERTIFICATE = """certificate (docs/numerics.md §9.7), over the finite pairs: err_bound, the engine's upper
+bound of |out − exact| of each pair, against its measured error |out − float64 attention|:
+  coverage               share of the pairs whose bound is at least the error: anything below 1 is a
+                         bug of the bound or of the engine
+  violations             pairs whose bound is below the error (the first few named)
+  infinite               pairs whose bound is +inf: pass 2's FP16 scores could overflow (§8.7)
+  bound_over_err_min     bound / error, least and median over the pairs with an error
+  bound_over_err_median  (at least 1; the larger, the looser the bound)
+  bound_over_ref_median  bound / |float64 attention|, median: the bound as a relative error
+"""
+EPILOG = common.study_epilog(_CERTIFICATE)
+
+_CERT_TITLE = "certificate err_bound (§9.7)"
+_CERT = ["coverage", "violations", "infinite", "bound_over_err_min", "bound_over_err_median", "bound_over_ref_median"]
+
+
+def add_arguments(p) -> None:
+    common.study_options(p)
+    common.eps(p)
+    common.selection(p)
+
+
+def run(args) -> None:
+    jobs, cfg, engine, scans = common.run_study(args, scan_jobs)
+    title = f"{common.named(jobs, 'apa scan')} (eps={cfg.eps}, {engine.name})"
+    if len(jobs) > 1:
+        _pooled(args, jobs, cfg, engine, scans, title)
+    else:
+        _one(args, jobs, cfg, engine, scans[0], title)
+
+
+def _pooled(args, jobs, cfg, engine, scans, title) -> None:
+    """One row per dump and a row of all their pairs."""
+    pooled = Scan.pooled(scans)
+    cols = ["dump", "pairs", "hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_99", "rel_l2_max",
+            "max_abs_err", "nonfinite"]
+    named = [*((j.name, s) for j, s in zip(jobs, scans)), ("pooled", pooled)]
+    rows = [_scan_row(name, s) for name, s in named]
+    cert = [[name, *(s.certificate[c] for c in _CERT)] for name, s in named]
+    emit(args.json, common.payload(jobs, cfg, engine, per_dump=common.per_dump(jobs, (s.to_json() for s in scans)),
+                                   pooled=pooled.to_json()),
+         [table(title, cols, rows), table(_CERT_TITLE, ["dump", *_CERT], cert),
+          table("per-pair cosine, pooled", ["bin", "pairs"], pooled.histogram)])
+
+
+def _one(args, jobs, cfg, engine, scan: Scan, title) -> None:
+    """The metrics of one dump, named, and its non-finite pairs and certificate violations."""
+    report = scan.to_json()
+    bad = report["nonfinite"]
+    rows = list(scan.summary.as_dict().items()) if scan.summary else [("finite pairs", 0)]
+    rows += list(report["errors"].items())
+    if bad["count"]:
+        rows += [("non-finite pairs", f"{bad['count']} of {report['pairs']}"),
+                 ("first non-finite (row, head)", _pair_text(bad["first"]))]
+    title += ": cosines over the finite pairs" if bad["count"] else ""
+    cert = report["certificate"]
+    cert_rows = [(c, cert[c]) for c in _CERT]
+    if cert["violations"]:
+        cert_rows.append(("first violations (row, head)", _pair_text(cert["first_violations"])))
+    emit(args.json, common.payload(jobs, cfg, engine, **report),
+         [table(title, ["metric", "value"], rows), table(_CERT_TITLE, ["metric", "value"], cert_rows),
+          table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
+
+
+def _pair_text(pairs) -> str:
+    return " ".join(f"({r}, {h})" for r, h in pairs)
+
+
+def _scan_row(name, scan: Scan) -> list:
+    s = scan.summary
+    stats = [s.pooled_cos, s.mean_cos, s.min_cos, s.below_0_99, s.rel_l2_max] if s else [None] * 5
+    return [name, len(scan.pairs), scan.hot_share, *stats, scan.errors()["max_abs_err"], int((~scan.finite).sum())]
