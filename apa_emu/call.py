@@ -6,6 +6,12 @@ checked pages (§5.0), the sequences of a varlen batch (§6.6), the KV state (§
 (§10). An engine then only runs a Call (``apa_emu.api.run``, ``apa_gpu.api.run``), so the emulator
 and the kernel refuse the same inputs with the same message. The model is FlashAttention-3's
 ``Arguments → to_underlying_arguments → Params``: the host arguments are lowered once.
+
+This module is also apa_emu's declared contract with the engines outside it (apa_gpu, and later
+users' own kernels): its ``__all__`` is all they import from apa_emu, and the import-linter contracts
+in pyproject.toml hold apa_gpu to it. Besides the call, that is the Result an engine returns, the
+Engine interface (apa_emu/engines.py), the Config, the geometry, the prep statistics' layout, the
+KV state (§5.9), the varlen sequences (§6.6) and the trace records (§10).
 """
 
 from __future__ import annotations
@@ -15,11 +21,20 @@ from typing import Any
 
 import numpy as np
 
+from . import kvstate, trace, varlen
 from . import trace as tr
-from . import varlen
-from .geometry import HEAD_DIMS, Shape
-from .kvstate import KVState
+from .config import Config
+from .geometry import HEAD_DIMS, ROWS, TILE, Shape, cdiv
+from .kvstate import KVState, Stats
 from .paging import Pages, check_pages, gather
+from .prep import KV_STATS, slot_keys
+from .varlen import Seqs
+
+__all__ = [
+    "Call", "resolve_call", "logical_kv", "validate", "Result", "Engine", "FEATURES",
+    "Config", "Shape", "HEAD_DIMS", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys",
+    "kvstate", "KVState", "Stats", "Seqs", "trace",
+]
 
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
 
@@ -272,3 +287,17 @@ def logical_kv(call: Call):
     if call.pages is None:
         return call.k, call.v
     return (gather(x, call.pages).astype(np.float16, copy=False) for x in (call.k, call.v))
+
+
+def __getattr__(name: str):
+    """Result and the Engine interface live in modules that import this one (api.py, engines.py):
+    they are looked up on first use, so that either side may be imported first."""
+    if name == "Result":
+        from .api import Result
+
+        return Result
+    if name in ("Engine", "FEATURES"):
+        from . import engines
+
+        return getattr(engines, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,13 +7,7 @@ import os
 
 import numpy as np
 
-from apa_emu.api import Result
-from apa_emu.call import Call, resolve_call
-from apa_emu.config import Config
-from apa_emu.geometry import TILE, Shape, cdiv
-from apa_emu import kvstate
-from apa_emu.kvstate import KVState
-from apa_emu.prep import KV_STATS, slot_keys
+from apa_emu.call import KV_STATS, TILE, Call, Config, KVState, Result, Shape, cdiv, kvstate, resolve_call, slot_keys
 
 from . import device
 from .plan import KVImages, Plan, check_config

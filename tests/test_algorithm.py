@@ -244,7 +244,7 @@ def test_cold_output_holds_no_negative_zero():
     so the exported part (o ⊗ vk) has no −0. (The kernel's hot tiles run the P·V MMA with P̂ = 0; a −0
     in o would come out +0 there, and the two would differ in the sign of zero.) Here the hot tile 1
     moves the frame by δ = 32 past the cold tile 2: every element of o underflows."""
-    from apa_gpu.strategies import make_inputs
+    from apa_emu.strategies import make_inputs
 
     q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
     k[119] = v[119] = 0  # a zero key (a paged KV hole, §5.0), which this example needs
@@ -499,7 +499,7 @@ def test_fma_lifts_the_row_maximum_groups_scale_one_step():
 def test_fma_sites_change_bits_and_only_under_the_toggle():
     """Config ``fma`` (§1.8) on a problem with hot and cold tiles: it moves output bits (the seed's
     contraction is not a no-op), by FP16 rounding steps, not by a broken path."""
-    from apa_gpu.strategies import make_inputs
+    from apa_emu.strategies import make_inputs
 
     q, k, v = make_inputs(3, 1, 64, 2, 3, 64, 900, "sink", batched=False)
     cfg = Config(eps=0.05)

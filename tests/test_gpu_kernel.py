@@ -25,8 +25,9 @@ from apa_emu.config import Config
 import apa_gpu
 from apa_gpu import device
 from apa_gpu.build import SUPPORTED_D
-from apa_gpu.compare import canon_nan, describe, first_divergence, save_reproducer
-from apa_gpu.strategies import STRUCTURES, configs, make_inputs, paginate, problems, schedules
+from apa_emu.compare import canon_nan, describe, first_divergence, save_reproducer
+from apa_emu.strategies import STRUCTURES, configs, make_inputs, paginate, problems
+from apa_gpu.strategies import schedules
 from hyp import Seen
 
 pytestmark = pytest.mark.gpu

@@ -34,7 +34,7 @@ def _needs_gxx():
 SCRIPT = textwrap.dedent(
     """
     import numpy as np, apa_emu, apa_gpu
-    from apa_gpu.compare import first_divergence, describe
+    from apa_emu.compare import first_divergence, describe
     from apa_emu.config import Config
 
     def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None,
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
         q, k, v = inputs or ((x * scale).astype(np.float16) for x in (q, k, v))
         paging = {}
         if page:
-            from apa_gpu.strategies import paginate
+            from apa_emu.strategies import paginate
             k, v, table = paginate(k, v, page, seed)
             paging = dict(block_table=table, seqlen_k=S)
         e = apa_emu.attention(q, k, v, off, cfg, window=window, trace="all", **paging)
@@ -96,7 +96,7 @@ SCRIPT = textwrap.dedent(
     run(21, 30, 4, 2, 260, 128, 236, Config(eps=0.05, hot_test="output"), sink=True, batch=2, page=5,
         schedule="fused")
     # A frame move by δ that underflows o to −0 before a hot tile (§7.9: update adds +0).
-    from apa_gpu.strategies import make_inputs
+    from apa_emu.strategies import make_inputs
     q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
     k[119] = v[119] = 0
     v[:, 0, 0] = -np.abs(v[:, 0, 0])  # then the zero-P̂ MMA of the hot tile alone would keep a −0

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 import apa_gpu  # noqa: E402
+import apa_gpu.api  # noqa: E402
+from apa_gpu.engine import GpuEngine  # noqa: E402
 
 WORKERS = os.cpu_count() or 1
 EDGE_ROWS = 8  # the CPU side of the big dump: its first and last rows (warps at both ends of the causal range)
@@ -51,7 +53,7 @@ def edge_pairs(dump) -> scan.Pairs:
 
 
 def _engines():
-    return engine.GpuEngine(), engine.CpuEngine(WORKERS)
+    return GpuEngine(), engine.CpuEngine(WORKERS)
 
 
 def test_fp64_reference_on_the_gpu_matches_the_oracle(builtin, big):
@@ -64,7 +66,7 @@ def test_fp64_reference_on_the_gpu_matches_the_oracle(builtin, big):
                        (dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk], dump.v[:, hk]))
             hot = apa_gpu.attention(q, k[:, None], v[:, None], dump.q_offset, Config()).hot[0, 0]
             gpu = fp64.reference(cupy, q, k, v, dump.q_offset, r, h, scale, hot=cupy.asarray(hot),
-                                 block_elements=engine.GpuEngine.block_elements)
+                                 block_elements=GpuEngine.block_elements)
             cpu = fp64.reference(np, dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk], dump.v[:, hk], dump.q_offset,
                                  r, h, scale, hot=hot)
             oracle = reference_rows(dump.q, dump.k, dump.v, dump.q_offset, r, hk * G + h, scale)
@@ -140,9 +142,9 @@ def test_dump_too_large_for_the_device_is_refused(monkeypatch):
     S = 1 << 28  # shapes only: broadcast views hold no memory
     k = np.broadcast_to(np.float16(1), (S, 1, 128))
     huge = Dump(np.broadcast_to(np.float16(1), (4, 1, 128)), k, k, S - 4)
-    monkeypatch.setattr(apa_gpu, "attention", lambda *a, **kw: pytest.fail("ran before the memory check"))
+    monkeypatch.setattr(apa_gpu.api, "run", lambda *a, **kw: pytest.fail("ran before the memory check"))
     with pytest.raises(ValueError, match=r"^the 128\.00 GiB dump \(268435456 keys, d = 128\) needs about"):
-        scan.run_pairs(huge, Config(), scan.Pairs.select(4, 1), backend=engine.GpuEngine())
+        scan.run_pairs(huge, Config(), scan.Pairs.select(4, 1), backend=GpuEngine())
 
 
 def test_apa_check_passes_and_names_a_planted_kernel_bug(capsys, monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hyp import Seen, examples
 
 from apa_emu import Config, attention
-from apa_gpu.strategies import make_inputs, paginate, problems
+from apa_emu.strategies import make_inputs, paginate, problems
 
 
 def _same(a, b):

@@ -252,7 +252,7 @@ def test_direct_store_only_without_hot_tiles():
     """``direct_store`` end to end: under pure FP4 (no tile hot) it moves some outputs by one FP16 ulp
     (the merge's extra rounding, §9.5); with hot tiles (ε = 0.05: tile 0 is hot in every warp) it
     changes no bit."""
-    from apa_gpu.strategies import make_inputs
+    from apa_emu.strategies import make_inputs
 
     q, k, v = make_inputs(3, 1, 64, 2, 3, 64, 900, "sink", batched=False)
     for eps, moved in ((1e9, True), (0.05, False)):

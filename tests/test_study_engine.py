@@ -12,14 +12,17 @@ import re
 import sys
 import types
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import apa_emu
-import apa_gpu
+import apa_gpu.api
 from apa_emu import Config, pair_metrics, reference_rows
-from apa_emu.study import check, engine, fp64, scan
+from apa_gpu import engine as gpu_engine
+from apa_gpu.engine import GpuEngine
+from apa_emu.study import engine, fp64, scan
 from apa_emu.study.cli import main
 from apa_emu.study.commands import attribute, sweep
 from apa_emu.study.dump import Dump, read_dump, write_dump
@@ -108,12 +111,14 @@ def test_scan_carries_the_emulators_certificate(dumps):
 
 
 def test_a_bound_below_the_error_is_reported(capsys, monkeypatch, dumps):
-    def attention(*args, **kw):  # row 3 of the first head of each KV head: the dump's pairs (3, 0) and (3, 3)
-        res = apa_emu.attention(*args, **kw)
+    cpu_run = engine.CpuEngine.run
+
+    def run(*args, **kw):  # row 3 of the first head of each KV head: the dump's pairs (3, 0) and (3, 3)
+        res = cpu_run(*args, **kw)
         res.err_bound[3, 0] = 0
         return res
 
-    monkeypatch.setattr(engine, "attention", attention)
+    monkeypatch.setattr(engine.CpuEngine, "run", run)
     a = dumps["paths"][0]
     cert = run_json(capsys, "scan", a, "--rows", "0:4", "--backend", "cpu")["certificate"]
     assert (cert["violations"], cert["first_violations"]) == (2, [[3, 0], [3, 3]])
@@ -149,16 +154,15 @@ def numpy_cupy(free_bytes=64 << 30):
 def numpy_gpu(monkeypatch):
     """The GPU engine's code on the CPU: NumPy as CuPy, the emulator (every warp) as the kernel."""
     fake = numpy_cupy()
+    monkeypatch.setenv("APA_GPU_BACKEND", "cuda")
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(apa_gpu, "attention", lambda q, k, v, q_offset, cfg, *, trace=None, schedule=None:
-                        apa_emu.attention(q, k, v, q_offset, cfg, trace=trace))
-    monkeypatch.setattr(engine, "gpu_missing", lambda: None)
-    monkeypatch.setattr(check, "gpu_missing", lambda: None)
+    monkeypatch.setattr(apa_gpu.api, "run", lambda call, cfg, **kw: apa_emu.api.run(replace(call, warps=None), cfg))
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: None)
     return fake
 
 
 def test_engine_choice_and_why(monkeypatch):
-    monkeypatch.setattr(engine, "gpu_missing", lambda: "CuPy is not installed (pip install -e '.[gpu]')")
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: "CuPy is not installed (pip install -e '.[gpu]')")
     cpu = engine.select_engine("cpu", [Config()], [64])
     assert (cpu.name, cpu.note) == ("cpu", None)
     auto = engine.select_engine("auto", [Config()], [64], workers=2)
@@ -168,7 +172,7 @@ def test_engine_choice_and_why(monkeypatch):
         engine.select_engine("gpu", [Config()], [64])
     with pytest.raises(ValueError, match="--devices chooses GPUs"):
         engine.select_engine("cpu", [Config()], [64], devices=(0, 1))
-    monkeypatch.setattr(engine, "gpu_missing", lambda: None)
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: None)
     for cfg, d, why in ((Config(mma="exact"), 64, "config.mma='exact' is an emulator model"),
                         (Config(mma="sm120"), 256, "config.mma='sm120' is an emulator model")):
         assert why in engine.select_engine("auto", [cfg], [64, d]).note
@@ -181,33 +185,34 @@ def test_engine_choice_and_why(monkeypatch):
 
 
 def test_gpu_missing_names_what_is_missing(monkeypatch):
+    monkeypatch.setenv("APA_GPU_BACKEND", "cuda")
     monkeypatch.setitem(sys.modules, "cupy", None)
-    assert engine.gpu_missing() == "CuPy is not installed (pip install -e '.[gpu]')"
+    assert gpu_engine.kernel_missing() == "CuPy is not installed (pip install -e '.[gpu]')"
     fake = numpy_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(apa_gpu, "available", lambda: False)
+    monkeypatch.setattr(apa_gpu.api, "available", lambda: False)
     fake.cuda.runtime.getDeviceCount = lambda: 0
-    assert engine.gpu_missing() == "no CUDA device is visible"
+    assert gpu_engine.kernel_missing() == "no CUDA device is visible"
     fake.cuda.runtime.getDeviceCount = lambda: 2
-    assert engine.gpu_missing().startswith("nvcc is not found")
-    monkeypatch.setattr(apa_gpu, "available", lambda: True)
-    assert engine.gpu_missing() is None
+    assert gpu_engine.kernel_missing().startswith("nvcc is not found")
+    monkeypatch.setattr(apa_gpu.api, "available", lambda: True)
+    assert gpu_engine.kernel_missing() is None
 
 
 def test_backend_messages_are_one_line(capsys, monkeypatch, dumps):
     a = dumps["paths"][0]
-    monkeypatch.setattr(engine, "gpu_missing", lambda: "no CUDA device is visible")
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: "no CUDA device is visible")
     for argv in (["scan", a, "--backend", "gpu"], ["attribute", a, "--backend", "gpu"],
                  ["pair", a, "--row", "3", "--head", "1", "--backend", "gpu"]):
         assert main(argv) == 2
         assert capsys.readouterr() == ("", "apa: error: --backend gpu: no CUDA device is visible\n")
-    monkeypatch.setattr(check, "gpu_missing", lambda: "no CUDA device is visible")
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: "no CUDA device is visible")
     assert main(["check", a]) == 2
     assert capsys.readouterr() == ("", "apa: error: apa check runs the kernel: no CUDA device is visible\n")
     assert main(["scan", a, "--rows", "0:2", "--json"]) == 0
     err = capsys.readouterr().err
     assert err == "apa: note: running on the CPU emulator: no CUDA device is visible\n"
-    monkeypatch.setattr(engine, "gpu_missing", lambda: None)
+    monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: None)
     assert main(["scan", a, "--rows", "0:2", "--config", "mma=exact", "--json"]) == 0
     assert capsys.readouterr().err == ("apa: note: running on the CPU emulator: config.mma='exact' is an emulator "
                                        "model; the sm_90 kernel implements mma='sm90' only\n")
@@ -333,7 +338,7 @@ def assert_same_scans(gpu: scan.Scan, cpu: scan.Scan):
 def test_gpu_engine_code_gives_the_cpu_engines_results(numpy_gpu, dumps):
     d = dumps["b"]
     pairs = scan.Pairs.select(d.n, d.nh, rows=[0, 1, 30], heads=[1, 2])  # some warps, both KV heads
-    gpu, cpu = engine.GpuEngine(), engine.CpuEngine()
+    gpu, cpu = GpuEngine(), engine.CpuEngine()
     assert_same_scans(scan.run_pairs(d, Config(), pairs, backend=gpu), scan.run_pairs(d, Config(), pairs, backend=cpu))
     jobs = [scan.Job.of(d, pairs)]
     for g, c in zip(*(sweep.sweep_jobs(jobs, Config(), [-1, 0.02], e)[0][0] for e in (gpu, cpu))):
@@ -364,9 +369,9 @@ def test_units_split_over_devices_give_the_same_results(numpy_gpu, monkeypatch, 
 
     monkeypatch.setattr(apa_emu.api.mp, "get_context", lambda method: types.SimpleNamespace(Pool=SerialPool))
     jobs = [scan.Job.of(read_dump(p)) for p in dumps["paths"]]  # from files: each process opens them again
-    one = scan.scan_jobs(jobs, Config(), engine.GpuEngine())
+    one = scan.scan_jobs(jobs, Config(), GpuEngine())
     numpy_gpu.used_devices.clear()
-    two = scan.scan_jobs(jobs, Config(), engine.GpuEngine((0, 1)))
+    two = scan.scan_jobs(jobs, Config(), GpuEngine((0, 1)))
     assert sorted(set(numpy_gpu.used_devices)) == [0, 1]
     for x, y in zip(one, two):
         assert x.out.tobytes() == y.out.tobytes() and np.array_equal(x.result.hot, y.result.hot)
@@ -380,10 +385,10 @@ def test_dump_too_large_for_the_device_is_refused_up_front(numpy_gpu, monkeypatc
     S = 1 << 26  # 2^26 keys of d = 128, shapes only: broadcast views hold no memory
     k = np.broadcast_to(np.float16(1), (S, 1, 128))
     huge = Dump(np.broadcast_to(np.float16(1), (4, 1, 128)), k, k, S - 4)
-    monkeypatch.setattr(apa_gpu, "attention", lambda *a, **kw: pytest.fail("ran before the memory check"))
+    monkeypatch.setattr(apa_gpu.api, "run", lambda *a, **kw: pytest.fail("ran before the memory check"))
     with pytest.raises(ValueError, match=r"^the 32\.00 GiB dump \(67108864 keys, d = 128\) needs about \d+\.\d GiB "
                                          r"of GPU memory per KV head, more than the 8\.0 GiB free on GPU 0$"):
-        scan.run_pairs(huge, Config(), scan.Pairs.select(4, 1), backend=engine.GpuEngine())
+        scan.run_pairs(huge, Config(), scan.Pairs.select(4, 1), backend=GpuEngine())
 
 
 # -- apa check, NumPy standing in ---------------------------------------------------------------
@@ -391,13 +396,13 @@ def test_dump_too_large_for_the_device_is_refused_up_front(numpy_gpu, monkeypatc
 
 def _planted(field: str):
     """The emulator as the kernel, with one bit of one value flipped."""
-    def attention(q, k, v, q_offset, cfg, *, trace=None, schedule=None):
-        res = apa_emu.attention(q, k, v, q_offset, cfg, trace=trace)
+    def run(call, cfg, **options):
+        res = apa_emu.api.run(replace(call, warps=None), cfg)
         target = res.out if field == "out" else res.rows[field]
         first, bits = (0,) * target.ndim, np.uint16 if target.dtype == np.float16 else np.uint32
         target[first] = (np.asarray(target[first]).view(bits) ^ bits(1)).view(target.dtype)
         return res
-    return attention
+    return run
 
 
 @pytest.mark.parametrize("field, stage", [("l2", "pass 2 (FP16 scores q·k, row max and sum)"), ("part", "pass 1 (FP4 estimate"),
@@ -408,7 +413,7 @@ def test_check_finds_a_planted_divergence(capsys, numpy_gpu, monkeypatch, dumps,
     assert main(["check", a, "--warps", "0:2"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "bitwise" in out and "on 4 warps of 1 dump under default config" in out
-    monkeypatch.setattr(apa_gpu, "attention", _planted(field))
+    monkeypatch.setattr(apa_gpu.api, "run", _planted(field))
     assert main(["check", a, "--warps", "0,1"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("apa check: the kernel differs from the emulator in a.apadump (KV head 0, separate "
@@ -416,7 +421,7 @@ def test_check_finds_a_planted_divergence(capsys, numpy_gpu, monkeypatch, dumps,
                                + stage)
     assert f"field='{field}'" in lines[1] or (field == "out" and "where='out'" in lines[1])
     repro = lines[2].split()[-1]
-    from apa_gpu.compare import load_reproducer
+    from apa_emu.compare import load_reproducer
 
     saved = load_reproducer(repro)
     assert saved["q"].shape == (48, 3, 64) and saved["trace"] == [(0, 0, 0), (0, 0, 1)]
@@ -428,7 +433,7 @@ def test_check_generated_problems(capsys, numpy_gpu, monkeypatch, tmp_path):
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 0
     assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7), separate, fused and "
                                             "bounded schedules\n")
-    monkeypatch.setattr(apa_gpu, "attention", _planted("out"))
+    monkeypatch.setattr(apa_gpu.api, "run", _planted("out"))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert "generated problem 1 (q (" in lines[0] and "stage the merge (FP16 output)" in lines[0]

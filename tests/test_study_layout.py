@@ -1,9 +1,10 @@
-"""The study tools sit on top of the core: the core never imports them, and the ``apa`` entry point
-and ``python -m apa_emu.study.cli`` both reach the command line."""
+"""The ``apa`` entry point and ``python -m apa_emu.study.cli`` both reach the command line, and the
+kernel's engine entry point names the GPU engine. The layering itself (the core below the study
+tools, apa_emu never importing apa_gpu, apa_gpu importing only apa_emu.call) is import-linter's
+contracts in pyproject.toml, which CI runs (.ci/run)."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import subprocess
 import sys
@@ -13,37 +14,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute module names a file imports, relative imports resolved against its package."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{parent}.{base}" if base else parent
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)
-    return names
-
-
-def test_core_never_imports_the_study_tools():
-    core = sorted(ROOT.glob("apa_emu/*.py")) + sorted(ROOT.glob("apa_gpu/**/*.py"))
-    assert len(core) > 10
-    offenders = {str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.startswith("apa_emu.study"))
-                 for p in core}
-    assert {p: n for p, n in offenders.items() if n} == {}
-
-
 def test_entry_point_resolves_to_the_cli():
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["apa"]
     module, func = target.split(":")
     from apa_emu.study import cli
 
     assert getattr(importlib.import_module(module), func) is cli.main
+
+
+def test_engine_entry_point_names_the_gpu_engine():
+    from apa_emu.engines import Engine
+    from apa_gpu.engine import GpuEngine
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["apa_emu.engines"]["gpu"]
+    module, name = target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert cls is GpuEngine and issubclass(cls, Engine) and cls.name == "gpu"
 
 
 def test_module_help_runs():

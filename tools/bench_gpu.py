@@ -158,13 +158,13 @@ def bench_bounded(q, k, v, q_offset, cfg, reps, segment):
 
 def bench_paged(q, k, v, q_offset, cfg, reps, page_size):
     """Prep and attention with K and V as a page pool (numerics.md §5.0: the sequence's pages shuffled,
-    apa_gpu.strategies.paginate) against the contiguous layout, in one run; the two outputs must be
+    apa_emu.strategies.paginate) against the contiguous layout, in one run; the two outputs must be
     bitwise equal. Returns (prep, attn) ms for contiguous, then paged, and the prep kernels' ms of each."""
     import cupy as cp
 
     from apa_emu.geometry import Shape
     from apa_gpu.plan import Plan
-    from apa_gpu.strategies import paginate
+    from apa_emu.strategies import paginate
 
     n, H, d = q.shape
     S, Hkv, _ = k.shape

@@ -40,6 +40,7 @@ from apa_emu.geometry import ROWS  # noqa: E402
 from apa_emu.study import cli, engine, scan  # noqa: E402
 from apa_emu.study.dump import read_dump, write_dump  # noqa: E402
 from apa_emu.study.synth import synthetic_preset  # noqa: E402
+from apa_gpu.engine import GpuEngine  # noqa: E402
 
 EPS = ("0.001", "0.002", "0.005", "0.01", "0.02", "0.05")
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default="", help="GPUs for --devices of every command (e.g. 0,1)")
     ap.add_argument("--out", help="also write the markdown table here")
     args = ap.parse_args(argv)
-    why = engine.gpu_missing()
+    why = GpuEngine.missing()
     if why:
         print(f"bench_study: needs the GPU engine: {why}", file=sys.stderr)
         return 2
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
             (f"`apa sweep`, every pair, {len(EPS)} ε", 30, len(EPS),
              _apa(["sweep", p, "--backend", "gpu", "--eps", *EPS, "--plot", str(tmp / "sweep.png"), *devices], log)),
         ]
-        cpu_scan, how = _cpu_estimate(read_dump(path), args.cpu_warps, engine.GpuEngine())
+        cpu_scan, how = _cpu_estimate(read_dump(path), args.cpu_warps, GpuEngine())
         dump = read_dump(path, check_finite=False)
         title = (f"{args.rows} × {args.keys} keys, Llama-3.2-3B-shaped ({dump.nh}/{dump.nkv} heads, d = {dump.hd}, "
                  f"{dump.nbytes / 2**30:.2f} GiB, {dump.n * dump.nh} pairs)")

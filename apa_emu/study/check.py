@@ -1,13 +1,14 @@
 """``apa check``: the kernel against the emulator, bitwise, for anyone who edits ``cuda/``.
 
-Each comparison runs the kernel under every chosen launch schedule (``separate``: pass 1, pass 2 and
-the merge as three launches; ``fused``: one persistent launch), since each is its own code path.
-It runs on the device, or on the kernel simulator under ``APA_GPU_BACKEND=sim`` (cuda/sim).
+The kernel is the engine registered as "gpu" (apa_emu/engines.py). Each comparison runs it under
+every chosen launch schedule, the engine's "schedule" option (``separate``: pass 1, pass 2 and the
+merge as three launches; ``fused``: one persistent launch; ``bounded``), since each is its own code
+path. It runs on the device, or on the kernel simulator under ``APA_GPU_BACKEND=sim`` (cuda/sim).
 
 On a dump, one KV head at a time (a head is a whole problem of its own, numerics.md §5): the chosen
 warps of the emulator against the kernel's, output, hot masks and every trace field. Or on problems
-and configs that Hypothesis generates (``apa_gpu.strategies``). The first divergence is named by
-stage, warp, tile and field with both values, and saved as a reproducer for
+and configs that Hypothesis generates (``apa_emu.strategies``). The first divergence is named by
+stage, warp, tile and field with both values (``apa_emu.compare``), and saved as a reproducer for
 ``python -m apa_gpu.replay``.
 """
 
@@ -17,13 +18,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from apa_gpu.plan import SCHEDULES
 
-from ..api import attention
+from .. import engines
+from ..api import attention, run
+from ..call import resolve_call
+from ..compare import describe, first_divergence, save_reproducer
 from ..config import Config
+from ..engines import Engine
 from ..geometry import ROWS
-from .engine import BackendError, gpu_missing, kernel_lacks
+from .engine import BackendError, ready
 from .scan import _STAGES
+
+KERNEL = "gpu"  # the engine apa check compares with the emulator
+
+
+try:
+    _KERNEL_CLASS: type[Engine] | None = engines.load(KERNEL)
+except KeyError:  # not installed: apa check says so when it runs
+    _KERNEL_CLASS = None
+SCHEDULES = _KERNEL_CLASS.options["schedule"] if _KERNEL_CLASS else ()
 
 _RECORD_STAGES = {
     "visits": "pass 1 (visit records: frames, tile sums, hot votes)",
@@ -43,7 +56,7 @@ def stage_of(div: dict) -> str:
 @dataclass(frozen=True)
 class Divergence:
     """The first difference between kernel and emulator: where it was found, its stage, the
-    difference as ``apa_gpu.compare.describe`` words it, and the reproducer's path."""
+    difference as ``apa_emu.compare.describe`` words it, and the reproducer's path."""
 
     where: str
     stage: str
@@ -55,26 +68,17 @@ class Divergence:
                 f"  {self.detail}", f"  reproducer: python -m apa_gpu.replay {self.reproducer}"]
 
 
-def kernel_missing() -> str | None:
-    """What running the kernel lacks here (None: nothing): the GPU engine's needs, or g++ for the simulator."""
-    import apa_gpu
-    from apa_gpu.build import backend_name
-
-    if backend_name() == "sim":
-        return None if apa_gpu.available() else "the kernel simulator (APA_GPU_BACKEND=sim) needs g++ on PATH or $CXX"
-    return gpu_missing()
-
-
-def require_gpu(cfg: Config, dims) -> None:
-    why = kernel_missing() or next((r for d in sorted(set(dims)) if (r := kernel_lacks(cfg, d))), None)
+def require_gpu(cfg: Config, dims) -> Engine:
+    """The kernel's engine, when it can run ``cfg`` at head dims ``dims`` here (else BackendError)."""
+    engine, why = (ready(_KERNEL_CLASS, [cfg], dims) if _KERNEL_CLASS else
+                   (None, f"no engine {KERNEL!r} is registered (pip install -e '.[gpu]')"))
     if why:
         raise BackendError(f"apa check runs the kernel: {why}")
+    return engine
 
 
 def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, schedule, place=None) -> Divergence | None:
-    from apa_gpu.compare import describe, first_divergence, save_reproducer
-
-    div = first_divergence(emu, gpu)
+    div = first_divergence(emu, gpu, KERNEL)
     if div is None:
         return None
     if div["where"] == "visits" and "visit" in div:  # name the visit's tile beside it
@@ -93,8 +97,7 @@ def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=SCHEDULES,
     """Kernel (under each of ``schedules``) against emulator on ``warps`` (indices within each KV
     head; None: all) of every KV head; returns the first divergence (None) and the number of warps
     compared."""
-    import apa_gpu
-
+    kernel = require_gpu(cfg, [dump.hd])
     G, R = dump.group, dump.n * dump.group
     nw = -(-R // ROWS)
     chosen = np.arange(nw) if warps is None else np.asarray(warps)
@@ -108,8 +111,9 @@ def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=SCHEDULES,
         q, k, v = (np.ascontiguousarray(x) for x in (dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk:hk + 1],
                                                       dump.v[:, hk:hk + 1]))
         emu = attention(q, k, v, dump.q_offset, cfg, warps=trace, trace=trace, workers=workers, progress=progress)
+        call = resolve_call(q, k, v, dump.q_offset, trace=trace)
         for schedule in schedules:
-            gpu = apa_gpu.attention(q, k, v, dump.q_offset, cfg, trace=trace, schedule=schedule)
+            gpu = kernel.run(call, cfg, schedule=schedule)
             # The emulator ran the chosen warps only: elsewhere its output, bounds and masks are the kernel's.
             elsewhere = (packed[others] // G, packed[others] % G)
             emu.out[elsewhere] = gpu.out[elsewhere]
@@ -147,10 +151,10 @@ def check_generated(n: int, seed: int, progress=None, schedules=SCHEDULES) -> tu
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis import seed as seeded
 
-        from apa_gpu.strategies import configs, make_inputs, problems
+        from ..strategies import configs, make_inputs, problems
     except ImportError as e:
         raise ImportError(f"apa check --hypothesis needs Hypothesis ({e}); pip install -e '.[test]'") from None
-    import apa_gpu
+    kernel = require_gpu(Config(), ())
 
     found: list[Divergence] = []
     done = [0]
@@ -160,16 +164,17 @@ def check_generated(n: int, seed: int, progress=None, schedules=SCHEDULES) -> tu
     @seeded(seed)
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], verbosity=Verbosity.quiet,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    @given(problems(), configs())
+    @given(problems(kernel.head_dims), configs())
     def example(problem, cfg):
         if found:  # Hypothesis replays the failing example once more
             raise _Found
         shape, q_offset = problem
         q, k, v = make_inputs(**shape)
-        emu = attention(q, k, v, q_offset, cfg, trace="all")
+        call = resolve_call(q, k, v, q_offset, trace="all")
+        emu = run(call, cfg)
         done[0] += 1
         for schedule in schedules:
-            gpu = apa_gpu.attention(q, k, v, q_offset, cfg, trace="all", schedule=schedule)
+            gpu = kernel.run(call, cfg, schedule=schedule)
             where = (f"generated problem {done[0]} (q {q.shape}, k {k.shape}, q_offset {q_offset}, {cfg}, "
                      f"{schedule} schedule)")
             div = _diverged(emu, gpu, where, q, k, v, q_offset, cfg, "all", schedule)

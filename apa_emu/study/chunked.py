@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from apa_emu.call import resolve_call
 from apa_emu.config import Config
+from apa_emu.engines import Engine
 from apa_emu.kvstate import KVState
 
 from . import fp64
-from .engine import Engine
+from .engine import metrics, reference
 
 
 @dataclass
@@ -53,13 +55,7 @@ class ChunkedReport:
 
 
 def _run(engine: Engine, q, k, v, q_offset: int, cfg: Config, kv_state=None):
-    if engine.name == "gpu":
-        import apa_gpu
-
-        return apa_gpu.attention(q, k, v, q_offset, cfg, kv_state=kv_state)
-    from apa_emu import attention
-
-    return attention(q, k, v, q_offset, cfg, kv_state=kv_state, workers=getattr(engine, "workers", 1))
+    return engine.run(resolve_call(q, k, v, q_offset, kv_state=kv_state), cfg)
 
 
 def chunked_study(dump, cfg: Config, chunk: int, engine: Engine, progress=None) -> ChunkedReport:
@@ -74,7 +70,7 @@ def chunked_study(dump, cfg: Config, chunk: int, engine: Engine, progress=None) 
     for hk in range(dump.nkv):
         q = engine.put(dump.q[:, hk * G:(hk + 1) * G])
         k, v = engine.put(dump.k[:, hk:hk + 1]), engine.put(dump.v[:, hk:hk + 1])
-        ref = engine.reference(q, k, v, off, rows, heads, scale)
+        ref = reference(engine, q, k, v, off, rows, heads, scale)
         whole = _run(engine, q, k, v, off, cfg)
         done += 1
         if progress:
@@ -91,7 +87,7 @@ def chunked_study(dump, cfg: Config, chunk: int, engine: Engine, progress=None) 
         for side, results in (("whole", [whole]), ("chunked", parts)):
             out = np.concatenate([r.out for r in results])
             bound = np.concatenate([r.err_bound for r in results])
-            sums = engine.metrics(out[rows, heads], ref.out)
+            sums = metrics(engine, out[rows, heads], ref.out)
             s = sides[side]
             s.cos.append(fp64.cos_rel(sums)[0])
             s.violations += int((np.sqrt(sums.diff_sq) > bound[rows, heads]).sum())

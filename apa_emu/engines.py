@@ -1,0 +1,118 @@
+"""Engines: what runs a resolved call (apa_emu/call.py) and returns the emulator's Result.
+
+The studies and ``apa check`` reach an implementation of numerics.md only through this interface:
+
+- ``name``; what it implements: ``features`` (a subset of FEATURES, the call arguments it honours;
+  without "warps" it computes every warp of a call that chooses some), ``head_dims``, and
+  ``lacks(config, d)``, why it cannot run a config at head dim d (None: it can);
+- ``missing()``: what this machine lacks to run it (None: nothing); it and ``lacks`` are asked of
+  the class, before an engine is built;
+- ``run(call, config, *, progress=None, **options) -> Result``, with ``options`` the keywords it
+  declares in ``options`` (name -> choices), such as the kernel's launch schedules;
+- where the studies keep its arrays: ``xp`` and ``put`` (the reference and metrics are computed
+  there), ``block_elements``, ``free_memory()``, ``release()``, ``context()``, ``devices``; and,
+  when it offers them, ``prep_arrays`` (its prep outputs, to localise a mismatch, apa_emu.compare).
+
+The emulator is the engine "cpu". Other packages register theirs as entry points of the group
+``apa_emu.engines`` (``name = "module:Class"``), so that apa_emu never imports them; such a class is
+built as ``cls(devices=..., note=...)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from importlib.metadata import entry_points
+
+import numpy as np
+
+from . import api
+from .api import Result
+from .call import Call
+from .config import Config
+from .geometry import HEAD_DIMS
+
+GROUP = "apa_emu.engines"
+FEATURES = frozenset({"window", "paging", "varlen", "kv_state", "trace", "warps"})
+
+
+class Engine:
+    """An implementation that runs calls. ``note`` says why ``--backend auto`` chose it (or None);
+    ``devices`` are the devices it runs on (several: the studies run a process on each)."""
+
+    name = ""
+    features: frozenset = frozenset()
+    head_dims: tuple[int, ...] = HEAD_DIMS
+    options: dict[str, tuple] = {}
+    xp = np
+    block_elements = 1 << 20  # float64 scores the studies compute at once where the arrays live
+    prep_arrays = None
+
+    def __init__(self, *, devices=(), note: str | None = None):
+        self.devices = tuple(devices)
+        self.note = note
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """What this machine lacks to run the engine, in a few words (None: nothing)."""
+        return None
+
+    @classmethod
+    def lacks(cls, config: Config, d: int) -> str | None:
+        """Why the engine cannot run ``config`` at head dim ``d`` (None: it can)."""
+        return None
+
+    def run(self, call: Call, config: Config, *, progress=None, **options) -> Result:
+        """The Result of a resolved call, bitwise the emulator's where the engine is exact, with NumPy
+        arrays. ``progress(done, total)`` is called over ``steps`` steps."""
+        raise NotImplementedError
+
+    def steps(self, warps: int) -> int:
+        """Progress steps of one call over ``warps`` warps."""
+        return 1
+
+    def put(self, x):
+        """A host array where the engine computes (``xp``)."""
+        return x
+
+    def free_memory(self) -> list[tuple[int, int]]:
+        """(device, free bytes) of each device the engine runs on; empty for host memory, which the
+        emulator checks itself."""
+        return []
+
+    def release(self) -> None:
+        """Give back the memory that earlier calls held."""
+
+    def context(self):
+        """The context the engine's calls run in (its device)."""
+        return nullcontext()
+
+
+class CpuEngine(Engine):
+    """The emulator (apa_emu.api.run), ``workers`` processes over the warps of each (batch, KV head)."""
+
+    name = "cpu"
+    features = FEATURES
+
+    def __init__(self, workers: int = 1, note: str | None = None):
+        super().__init__(note=note)
+        self.workers = workers
+
+    def run(self, call, config, *, progress=None):
+        return api.run(call, config, workers=self.workers, progress=progress)
+
+    def steps(self, warps):
+        return warps
+
+
+def registered() -> tuple[str, ...]:
+    """The names of the engines registered by other packages, without importing them."""
+    return tuple(sorted({ep.name for ep in entry_points(group=GROUP)} - {"auto", "cpu"}))
+
+
+def load(name: str) -> type[Engine]:
+    """The engine class called ``name``: "cpu" or a registered one (KeyError otherwise)."""
+    if name == "cpu":
+        return CpuEngine
+    for ep in entry_points(group=GROUP, name=name):
+        return ep.load()
+    raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
