@@ -7,13 +7,13 @@ import multiprocessing as mp
 import os
 import signal
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import trace as tr
 from . import kvstate, varlen
-from .call import Call, logical_kv, resolve_call
+from .call import Call, Result, logical_kv, resolve_call
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
@@ -23,27 +23,6 @@ from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
 
 F32 = np.float32
-
-
-@dataclass
-class Result:
-    """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
-    ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
-    each (row, head) (§9.7); rows not computed hold NaN in both."""
-
-    out: np.ndarray
-    err_bound: np.ndarray
-    hot: np.ndarray
-    active_tiles: int
-    hot_tiles: int
-    config: Config
-    visits: np.ndarray | None = None
-    rows: np.ndarray | None = None
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def hot_share(self) -> float:
-        return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
 
 
 def _check_count(name: str, value) -> int:

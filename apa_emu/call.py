@@ -9,14 +9,14 @@ and the kernel refuse the same inputs with the same message. The model is FlashA
 
 This module is also apa_emu's declared contract with the engines outside it (apa_gpu, and later
 users' own kernels): its ``__all__`` is all they import from apa_emu, and the import-linter contracts
-in pyproject.toml hold apa_gpu to it. Besides the call, that is the Result an engine returns, the
-Engine interface (apa_emu/engines.py), the Config, the geometry, the prep statistics' layout, the
-KV state (§5.9), the varlen sequences (§6.6) and the trace records (§10).
+in pyproject.toml hold apa_gpu to it (with the Engine interface of apa_emu/engines.py, which builds on
+this module). Besides the call, that is the Result an engine returns, the Config, the geometry, the
+prep statistics' layout, the KV state (§5.9), the varlen sequences (§6.6) and the trace records (§10).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,33 @@ from .prep import KV_STATS, slot_keys
 from .varlen import Seqs
 
 __all__ = [
-    "Call", "resolve_call", "logical_kv", "validate", "Result", "Engine", "FEATURES",
+    "Call", "resolve_call", "logical_kv", "validate", "Result",
     "Config", "Shape", "HEAD_DIMS", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys",
     "kvstate", "KVState", "Stats", "Seqs", "trace",
 ]
 
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
+
+
+@dataclass
+class Result:
+    """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
+    ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
+    each (row, head) (§9.7); rows not computed hold NaN in both."""
+
+    out: np.ndarray
+    err_bound: np.ndarray
+    hot: np.ndarray
+    active_tiles: int
+    hot_tiles: int
+    config: Config
+    visits: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def hot_share(self) -> float:
+        return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
 
 
 @dataclass(frozen=True)
@@ -287,17 +308,3 @@ def logical_kv(call: Call):
     if call.pages is None:
         return call.k, call.v
     return (gather(x, call.pages).astype(np.float16, copy=False) for x in (call.k, call.v))
-
-
-def __getattr__(name: str):
-    """Result and the Engine interface live in modules that import this one (api.py, engines.py):
-    they are looked up on first use, so that either side may be imported first."""
-    if name == "Result":
-        from .api import Result
-
-        return Result
-    if name in ("Engine", "FEATURES"):
-        from . import engines
-
-        return getattr(engines, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,6 +46,7 @@ class Engine:
     xp = np
     block_elements = 1 << 20  # float64 scores the studies compute at once where the arrays live
     prep_arrays = None
+    wait = ""  # what a first run waits for (a compiler), said beside the studies' progress bar
 
     def __init__(self, *, devices=(), note: str | None = None):
         self.devices = tuple(devices)
@@ -92,6 +93,7 @@ class CpuEngine(Engine):
 
     name = "cpu"
     features = FEATURES
+    wait = "the first run compiles the emulator with Numba, about 30 s"
 
     def __init__(self, workers: int = 1, note: str | None = None):
         super().__init__(note=note)

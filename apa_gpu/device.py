@@ -24,9 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from apa_emu import trace as tr
-from apa_emu.geometry import TILE
-from apa_emu.prep import KV_STATS
+from apa_emu.call import KV_STATS, TILE
+from apa_emu.call import trace as tr
 
 from .build import backend_name, build, find_nvcc
 from . import params

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from apa_emu.call import Engine
+from apa_emu.engines import Engine
 
 from . import api
 from .build import SUPPORTED_D, backend_name
@@ -49,6 +49,7 @@ class GpuEngine(Engine):
     head_dims = SUPPORTED_D
     options = {"schedule": SCHEDULES}
     block_elements = 1 << 24
+    wait = "the first run builds the kernel with nvcc, a minute or two"
 
     def __init__(self, devices=(), note: str | None = None):
         super().__init__(devices=devices, note=note)

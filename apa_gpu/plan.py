@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from apa_emu import trace as tr
-from apa_emu.config import Config
-from apa_emu.geometry import ROWS, TILE, Shape, cdiv
-from apa_emu.kvstate import Stats
-from apa_emu.varlen import Seqs
+from apa_emu.call import ROWS, TILE, Config, Seqs, Shape, Stats, cdiv
+from apa_emu.call import trace as tr
 
 from . import device
 from .build import SUPPORTED_D, Variant

@@ -11,7 +11,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-NUMBA_WAIT = "the first run compiles the emulator with Numba, about 30 s"
+from ..engines import CpuEngine
+
+NUMBA_WAIT = CpuEngine.wait
 
 
 @contextmanager

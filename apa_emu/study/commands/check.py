@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...config import Config
+from ...engines import CpuEngine
 from ..check import SCHEDULES, check_dump, check_generated, require_gpu
 from ..dump import read_dump
 from ..report import say
@@ -27,7 +28,7 @@ def add_arguments(p) -> None:
                                    "(default: all; the emulator runs each on the CPU)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles of the dump check (keys below)")
     p.add_argument("--hypothesis", type=common.count, metavar="N",
-                   help="check N problems and configs drawn by Hypothesis (apa_gpu/strategies.py) instead of dumps")
+                   help="check N problems and configs drawn by Hypothesis (apa_emu/strategies.py) instead of dumps")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
     p.add_argument("--schedule", choices=[*SCHEDULES, "all"], default="all",
                    help="kernel launch schedule: one launch per stage (separate), one persistent launch for both "
@@ -57,9 +58,9 @@ def _generated(args):
     """The first divergence on --hypothesis problems (None if none), and what was checked."""
     if args.dumps or args.warps or args.config:
         raise ValueError("--hypothesis checks generated problems and configs: give it no dump, --warps or --config")
-    require_gpu(Config(), ())
+    kernel = require_gpu(Config(), ())
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-    with common.progress(True, "check, generated problems", common.WAITS["gpu"]) as prog:
+    with common.progress(True, "check, generated problems", kernel.wait) as prog:
         div, done = check_generated(args.hypothesis, seed, prog, schedules=_schedules(args))
     return div, f"{done} generated problems and configs (--seed {seed})"
 
@@ -71,7 +72,7 @@ def _dumps(args, cfg: Config):
     warps = common.parse_list(args.warps, "--warps")
     require_gpu(cfg, [d.hd for d in dumps])
     div, done = None, 0
-    with common.progress(True, "check", common.WAITS["cpu"]) as prog:
+    with common.progress(True, "check", CpuEngine.wait) as prog:
         for path, dump in zip(paths, dumps):
             div, count = check_dump(dump, path.name, cfg, warps, schedules=_schedules(args), workers=args.workers,
                                     progress=prog)

@@ -22,12 +22,10 @@ import numpy as np
 from ...config import CHOICES, Config
 from ..dump import builtin_dump_path, read_dump
 from ..engine import BACKENDS, select_engine
-from ..report import NUMBA_WAIT, progress_bar, say
+from ..report import progress_bar, say
 from ..scan import Job, Pairs
 
 DUMP_SUFFIX = ".apadump"
-# What the progress bar says while the first step is slow
-WAITS = {"cpu": NUMBA_WAIT, "gpu": "the first run builds the kernel with nvcc, a minute or two"}
 
 
 def at_least(low: int):
@@ -235,7 +233,7 @@ def run_study(args, compute):
     cfg = config(args)
     chosen = engine(args, cfg, [job.dump.hd for job in jobs])
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
-    with progress(not args.json, label, WAITS[chosen.name]) as prog:
+    with progress(not args.json, label, chosen.wait) as prog:
         return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
 
 
