@@ -667,7 +667,6 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     if constexpr (SEGMENT) step_range(wr.Fmin, wr.Tmax, a.ascending, a.span.lo, a.span.hi, i0, i1);
     const int nst = i1 - i0;
     if (nst == 0) return;  // the whole CTA
-
     // The warpgroup's Q̂ image. Its index through a shuffle from lane 0, which the compiler knows to be
     // warp-uniform: the Q̂ descriptors of the score wgmma then live in uniform registers, where
     // computed from threadIdx they took six instructions per wgmma to move there (~45 a step).
@@ -685,11 +684,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         ring.load_images(j, khat_bh + base, vhat_bh + base);
     };
     if (wr.wl < P1_STAGES && wr.wl < nst) load(wr.wl);
-    // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
     cp_async_wait<0>();
-    fence_proxy_async();
+    fence_proxy_async();  // this lane's Q̂ copies (generic proxy) before the wgmma reads them (async proxy)
     __syncthreads();
-
     float s[8][4];
     const WgOperand Qop = wg_operand(Qg), stage_op = wg_operand(ring.stage(0));
     auto issue_scores = [&](int j) {  // p1_scores of step j
