@@ -1,9 +1,9 @@
 // pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of WARPS warps (§6.2).
 //
-// Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
-// ("hi") of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as the f32
-// accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction below
-// is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
+// Per lane (g = lane>>2, t0 = lane&3) the warp state (P1State) is held for the two rows g ("lo", h = 0)
+// and g+8 ("hi", h = 1) of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as
+// the f32 accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction
+// below is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
 #pragma once
 
 #include "common.cuh"
