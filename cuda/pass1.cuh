@@ -1,9 +1,9 @@
 // pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of WARPS warps (§6.2).
 //
-// Per lane (g = lane>>2, t0 = lane&3) the warp state is held for the two rows g ("lo") and g+8
-// ("hi") of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as the f32
-// accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction below
-// is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
+// Per lane (g = lane>>2, t0 = lane&3) the warp state (P1State) is held for the two rows g ("lo", h = 0)
+// and g+8 ("hi", h = 1) of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as
+// the f32 accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction
+// below is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
 #pragma once
 
 #include "common.cuh"
@@ -65,55 +65,77 @@ struct P1Sums {
     float la, lc, ad, lv;
 };
 
+// The running state of §7 of the lane's rows (h = 0: g, "lo"; h = 1: g + 8, "hi"), the twin of
+// apa_emu/pass1.py P1State: frame m and the sums r per row, o as the f32 accumulator fragment of the
+// cold P·V (o[dn][2h + e]: channel 8dn + 2t0 + e of row h), and the visit count (§10's record index).
+// Taken by reference into inlined functions: it stays in registers.
+template <int NDN>
+struct P1State {
+    float m[2];
+    P1Sums r[2];
+    float o[NDN][4];
+    int visit;
+};
+
+template <int NDN>
+__device__ __forceinline__ void p1_init(P1State<NDN>& st) {
+    st.m[0] = st.m[1] = neg_inf();
+    st.r[0] = st.r[1] = P1Sums{0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int dn = 0; dn < NDN; ++dn) st.o[dn][0] = st.o[dn][1] = st.o[dn][2] = st.o[dn][3] = 0.0f;
+    st.visit = 0;
+}
+
 // The bounded schedule (§6.7) ends a launch with the CTA's visiting order unfinished: each warp
 // stores its state (o in part, the rest in carry, as m, la, lc, ad, lv and the visit count's bits),
-// every row of the warp padding included, and the next launch resumes from it bit for bit.
+// every row of the warp padding included, and the next launch resumes from it bit for bit. Only the
+// segment kernel loads it: with o loaded, ptxas serializes the kernel's wgmma (its warning C7515).
 constexpr int P1_CARRY = 6;
 template <int NDN>
 __device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
-                                         bool store, float (&o)[NDN][4], float& m_lo, float& m_hi, P1Sums& lo,
-                                         P1Sums& hi, int& visit) {
+                                         bool store, P1State<NDN>& st) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const size_t r = bh * geo.Rp_buf + (half ? wr.r_hi : wr.r_lo);
         float2* prow = reinterpret_cast<float2*>(a.part + r * D + 2 * wr.t0);
         float* c = a.carry + r * P1_CARRY;
-        float& m = half ? m_hi : m_lo;
-        P1Sums& x = half ? hi : lo;
+        float& m = st.m[half];
+        P1Sums& x = st.r[half];
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
             if (store) {
-                prow[4 * dn] = make_float2(o[dn][2 * half], o[dn][2 * half + 1]);
+                prow[4 * dn] = make_float2(st.o[dn][2 * half], st.o[dn][2 * half + 1]);
             } else {
                 const float2 v = prow[4 * dn];
-                o[dn][2 * half] = v.x;
-                o[dn][2 * half + 1] = v.y;
+                st.o[dn][2 * half] = v.x;
+                st.o[dn][2 * half + 1] = v.y;
             }
         }
         if (store) {
             if (wr.t0 == 0) {
                 c[0] = m, c[1] = x.la, c[2] = x.lc, c[3] = x.ad, c[4] = x.lv;
-                c[5] = __uint_as_float((uint32_t)visit);
+                c[5] = __uint_as_float((uint32_t)st.visit);
             }
         } else {
             m = c[0], x.la = c[1], x.lc = c[2], x.ad = c[3], x.lv = c[4];
-            visit = (int)__float_as_uint(c[5]);
+            st.visit = (int)__float_as_uint(c[5]);
         }
     }
 }
 
-// update(x) of §7.9 for one row: rescale o (this lane's elements of the row), lc, la, ad, lv. The
+// update(x) of §7.9 for row h: rescale o (this lane's elements of the row), lc, la, ad, lv. The
 // spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
 // there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other value unchanged.
 // alpha: exp2(m ⊖ x) as the caller already has it (read only when x ≠ m).
 template <int NDN>
-__device__ __forceinline__ void p1_update_by(float x, float alpha, float& m, P1Sums& r, float (&o)[NDN][4],
-                                             int half) {
+__device__ __forceinline__ void p1_update_by(float x, float alpha, P1State<NDN>& st, int half) {
+    float& m = st.m[half];
+    P1Sums& r = st.r[half];
     if (x != m) {
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
-            o[dn][2 * half + 0] = fmul(o[dn][2 * half + 0], alpha);
-            o[dn][2 * half + 1] = fmul(o[dn][2 * half + 1], alpha);
+            st.o[dn][2 * half + 0] = fmul(st.o[dn][2 * half + 0], alpha);
+            st.o[dn][2 * half + 1] = fmul(st.o[dn][2 * half + 1], alpha);
         }
         r.lc = fmul(r.lc, alpha);
         r.la = fmul(r.la, alpha);
@@ -123,16 +145,54 @@ __device__ __forceinline__ void p1_update_by(float x, float alpha, float& m, P1S
     }
 }
 template <int NDN>
-__device__ __forceinline__ void p1_update(float x, float& m, P1Sums& r, float (&o)[NDN][4], int half) {
-    if (x != m) p1_update_by(x, exp2x<exp2s_nonpos>(fsub(m, x)), m, r, o, half);
+__device__ __forceinline__ void p1_update(float x, P1State<NDN>& st, int half) {
+    if (x != st.m[half]) p1_update_by(x, exp2x<exp2s_nonpos>(fsub(st.m[half], x)), st, half);
 }
 
-// §7.2 group maxima (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima and the lazy frame vote: the
-// candidate frame c of the lane's two rows, and the vote (false: c = m in every row of the warp).
+// What a warp's visits read besides its state and the tile (with P1State, apa_emu/pass1.py's P1Rows and
+// P1Out's hot words): fixed for the launch.
+struct P1Warp {
+    float cq[2];            // §5.3 c_q of the lane's rows
+    float lg2_lane;         // LG2[lane] on lanes 0..8 (p1_pscale)
+    int lim_w, lo_w;        // the warp's tightest key limits (p1_mask)
+    bool inter;             // §7.3 interleaved P groups
+    bool nu_lane;           // §7.6: the lane holds odd columns of tv's MMA, the ones that carry ν
+    const uint16_t* nu_bh;  // (b, hk)'s ν (§5.8) at the lane's slots; null unless nu_lane
+    uint32_t* hot_w;        // the warp's hot-mask words
+    uint8_t* trace;         // the warp's visit records (§10); null unless traced
+    int b, hk;
+};
+
+// One visit's values of the lane's rows besides the state (apa_emu/pass1.py's c, tl2 and amass):
+// the candidate frame c and the frame vote moved (§7.2), lane t0's group's a_g (§7.8), the row sums
+// tl, tv (§7.6) and a = exp2(m ⊖ c) (§7.7).
+struct P1Visit {
+    float c[2], mass[2], tl[2], tv[2], a[2];
+    bool moved;
+};
+
+// §7.1's mask: keys outside lo_r .. lim_r -> −inf, only on tiles that reach past a row's limits. The test
+// is on the warp's tightest limits, so a uniform branch, not a divergent one (the lanes whose rows a
+// tile does not pass keep their scores: the selects leave them).
+__device__ __forceinline__ void p1_mask(float (&s)[8][4], const WarpRows& wr, const P1Warp& w, int t) {
+    if (t * TILE + TILE - 1 > w.lim_w || t * TILE < w.lo_w) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = t * TILE + slot_key(8 * nt + 2 * wr.t0 + e, w.inter);
+                if (key > wr.lim_lo || key < wr.lo_lo) s[nt][e] = neg_inf();
+                if (key > wr.lim_hi || key < wr.lo_hi) s[nt][2 + e] = neg_inf();
+            }
+        }
+    }
+}
+
+// §7.2 group maxima gm[h] (slots 16g..16g+15 = n-tiles 2g, 2g+1), row maxima and the lazy frame vote:
+// the candidate frame c of the lane's two rows, and the vote (false: c = m in every row of the warp).
 // Padding rows do not vote (§6.2).
-__device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows& wr, float cq_lo, float cq_hi,
-                                         float m_lo, float m_hi, float tau, float (&gm_lo)[4], float (&gm_hi)[4],
-                                         float& c_lo, float& c_hi) {
+__device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows& wr, const float (&cq)[2],
+                                         const float (&m)[2], float tau, float (&gm)[2][4], float (&c)[2]) {
 #pragma unroll
     for (int gi = 0; gi < 4; ++gi) {
         float x = fmaxf(fmaxf(s[2 * gi][0], s[2 * gi][1]), fmaxf(s[2 * gi + 1][0], s[2 * gi + 1][1]));
@@ -141,25 +201,25 @@ __device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows&
         x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
         y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 1));
         y = fmaxf(y, __shfl_xor_sync(0xFFFFFFFFu, y, 2));
-        gm_lo[gi] = x;
-        gm_hi[gi] = y;
+        gm[0][gi] = x;
+        gm[1][gi] = y;
     }
-    const float mx_lo = fmul(fmaxf(fmaxf(gm_lo[0], gm_lo[1]), fmaxf(gm_lo[2], gm_lo[3])), cq_lo);
-    const float mx_hi = fmul(fmaxf(fmaxf(gm_hi[0], gm_hi[1]), fmaxf(gm_hi[2], gm_hi[3])), cq_hi);
+    const float mx_lo = fmul(fmaxf(fmaxf(gm[0][0], gm[0][1]), fmaxf(gm[0][2], gm[0][3])), cq[0]);
+    const float mx_hi = fmul(fmaxf(fmaxf(gm[1][0], gm[1][1]), fmaxf(gm[1][2], gm[1][3])), cq[1]);
     // & and |, not && and ||: a short circuit on the lane's rows is a divergent branch, with its
     // convergence barrier, on every step.
-    const bool trig = __any_sync(0xFFFFFFFFu, (wr.run_lo & (mx_lo > fadd(m_lo, tau))) |
-                                                  (wr.run_hi & (mx_hi > fadd(m_hi, tau))));
-    c_lo = trig ? fmaxf(m_lo, mx_lo) : m_lo;
-    c_hi = trig ? fmaxf(m_hi, mx_hi) : m_hi;
+    const bool trig = __any_sync(0xFFFFFFFFu, (wr.run_lo & (mx_lo > fadd(m[0], tau))) |
+                                                  (wr.run_hi & (mx_hi > fadd(m[1], tau))));
+    c[0] = trig ? fmaxf(m[0], mx_lo) : m[0];
+    c[1] = trig ? fmaxf(m[1], mx_hi) : m[1];
     return trig;
 }
 
-// §7.7 hot test: a warp vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with
-// (x, run) = (tl, la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold
-// tile's update(c) rescales by the same value. moved: p1_frame's vote; without it c = m and a = 1 in
-// every row, and the warp skips the two exp2s (in the exact build ~40 instructions, on most steps).
-__device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
+// §7.7's vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with (x, run) = (tl,
+// la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold tile's update(c)
+// rescales by the same value. moved: p1_frame's vote; without it c = m and a = 1 in every row, and
+// the warp skips the two exp2s (in the exact build ~40 instructions, on most steps).
+__device__ __forceinline__ bool p1_hot_vote(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
                                             float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused,
                                             bool moved, float& a_lo, float& a_hi) {
     a_lo = a_hi = 1.0f;
@@ -172,29 +232,41 @@ __device__ __forceinline__ bool p1_hot_test(const WarpRows& wr, float x_lo, floa
     return __any_sync(0xFFFFFFFFu, hp_lo | hp_hi);
 }
 
-// §7.8 hot branch for one row: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f), lv ⊕= tv ⊗ the same.
-// (The caller sets the hot bit and zeroes P̂, so the tile adds nothing to o.) moved: as in
-// p1_hot_test; without it c = m, so f = m (δ ≥ 0, which the config requires) and b = 1.
+// §7.7 hot test, the mass or the output test (p1_hot_vote); sets v.a.
 template <int NDN>
-__device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, bool moved, float& m,
-                                              P1Sums& r, float (&o)[NDN][4], int half, bool fused) {
+__device__ __forceinline__ bool p1_hot_test(const Pass1Args& a, const WarpRows& wr, const P1State<NDN>& st,
+                                            P1Visit& v) {
+    return a.output ? p1_hot_vote(wr, v.tv[0], v.tv[1], v.c[0], v.c[1], st.m[0], st.m[1], st.r[0].lv, st.r[1].lv,
+                                  a.eps, a.fma, v.moved, v.a[0], v.a[1])
+                    : p1_hot_vote(wr, v.tl[0], v.tl[1], v.c[0], v.c[1], st.m[0], st.m[1], st.r[0].la, st.r[1].la,
+                                  a.eps, a.fma, v.moved, v.a[0], v.a[1]);
+}
+
+// §7.8 hot branch for row h: frame f = max(m, c ⊖ δ), la ⊕= tl ⊗ exp2(c ⊖ f), lv ⊕= tv ⊗ the same.
+// (p1_branch sets the hot bit and zeroes P̂, so the tile adds nothing to o.) moved: as in
+// p1_hot_vote; without it c = m, so f = m (δ ≥ 0, which the config requires) and b = 1.
+template <int NDN>
+__device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float delta, bool moved, P1State<NDN>& st,
+                                              int half, bool fused) {
+    P1Sums& r = st.r[half];
     float b = 1.0f;
     if (moved) {
-        const float f = fmaxf(m, fsub(c, delta));
+        const float f = fmaxf(st.m[half], fsub(c, delta));
         b = (f == c) ? 1.0f : exp2x<exp2s_nonpos>(fsub(c, f));
-        p1_update(f, m, r, o, half);
+        p1_update(f, st, half);
     }
     r.la = madd(tl, b, r.la, fused);
     r.lv = madd(tv, b, r.lv, fused);
 }
 
-// §7.8 cold branch for one row: frame c (a = exp2(m ⊖ c) from the hot test), la ⊕= tl, lv ⊕= tv,
+// §7.8 cold branch for row h: frame c (a = exp2(m ⊖ c) from the hot test), la ⊕= tl, lv ⊕= tv,
 // lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass); the caller's P̂·V̂ adds to o. moved: as in
-// p1_hot_test (without it c = m: no update, and no divergent branch to find that out).
+// p1_hot_vote (without it c = m: no update, and no divergent branch to find that out).
 template <int NDN>
 __device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, bool moved,
-                                               float& m, P1Sums& r, float (&o)[NDN][4], int half) {
-    if (moved) p1_update_by(c, a, m, r, o, half);
+                                               P1State<NDN>& st, int half) {
+    P1Sums& r = st.r[half];
+    if (moved) p1_update_by(c, a, st, half);
     r.la = fadd(r.la, tl);
     r.lv = fadd(r.lv, tv);
     r.lc = fadd(r.lc, tl);
@@ -342,6 +414,78 @@ __device__ __forceinline__ void p1_pfrags(const float (&s)[8][4], float cq_lo, f
     }
 }
 
+// §7.4–7.5 (apa_emu/pass1.py p1_phat): the P scales, then P̂ as the FP16 A fragments pa, with §7.6's tl
+// (p1_pfrags) and lane t0's a_g. The 4 lanes of a quad share rows g and g+8, so lane t0 computes the
+// scales of group t0 for both rows (the same values, a quarter of the work).
+__device__ __forceinline__ void p1_phat(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, const float (&s)[8][4],
+                                        const float (&gm)[2][4], P1Visit& v, uint32_t (&pa)[4][4]) {
+    const float gsel[2] = {
+        wr.t0 == 0 ? gm[0][0] : wr.t0 == 1 ? gm[0][1] : wr.t0 == 2 ? gm[0][2] : gm[0][3],
+        wr.t0 == 0 ? gm[1][0] : wr.t0 == 1 ? gm[1][1] : wr.t0 == 2 ? gm[1][2] : gm[1][3]};
+    float bias[2], sc[2];
+    p1_pscale(gsel, {w.cq[0], w.cq[1]}, {v.c[0], v.c[1]}, a, w.lg2_lane, bias, sc, v.mass);
+    float tl4[4];
+    // The element loop compiled per (quantized P', fused y): a run-time select there costs ~5 %.
+#define APA_PFRAGS(QUANT, FUSED) p1_pfrags<QUANT, FUSED>(s, w.cq[0], w.cq[1], bias[0], bias[1], sc[0], sc[1], pa, tl4)
+    if (a.quant_p)
+        a.fma ? APA_PFRAGS(true, true) : APA_PFRAGS(true, false);
+    else
+        a.fma ? APA_PFRAGS(false, true) : APA_PFRAGS(false, false);
+#undef APA_PFRAGS
+    v.tl[0] = tl4[0], v.tl[1] = tl4[2];
+}
+
+// §7.6 row sums (apa_emu/pass1.py p1_row_sums): tl came with P̂ (p1_pfrags); this is tv. Without the
+// output test lv runs beside la on tl and nothing reads it. With it, tv is the same chain against ν in
+// the odd columns (k = slots 16 gi + 2 t0 + {0, 1} and + 8): an MMA's columns are independent dot
+// products, so a second chain gives the bits ν beside the ones in one MMA gave, and the mass test
+// issues neither it nor ν's loads and their addresses (~15 a step).
+__device__ __forceinline__ void p1_row_sums(const Pass1Args& a, const P1Warp& w, const uint32_t (&pa)[4][4], int t,
+                                            P1Visit& v) {
+    v.tv[0] = v.tl[0], v.tv[1] = v.tl[1];
+    if (a.output) {
+        const bool nu_lane = w.nu_lane;
+        uint32_t bw[4][2];
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;  // the even columns: unread
+        if (nu_lane) {
+            const uint16_t* nu_t = w.nu_bh + a.span.slot(t) * TILE;
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                bw[gi][0] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi);
+                bw[gi][1] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi + 8);
+            }
+        }
+        float tv4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tv4, pa[gi], bw[gi][0], bw[gi][1]);
+        v.tv[0] = tv4[1], v.tv[1] = tv4[3];
+    }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void p1_zero(T (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = T(0);
+}
+
+// §7.8 (apa_emu/pass1.py p1_branch): a hot tile sets its bit in the warp's mask and zeroes P̂, so the
+// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂.
+template <int NDN>
+__device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, bool hot, int t,
+                                          const P1Visit& v, P1State<NDN>& st, uint32_t (&pa)[4][4]) {
+    if (hot) {
+        p1_hot_branch(v.c[0], v.tl[0], v.tv[0], a.delta, v.moved, st, 0, a.fma);
+        p1_hot_branch(v.c[1], v.tl[1], v.tv[1], a.delta, v.moved, st, 1, a.fma);
+        if (wr.lane == 0) atomicOr(w.hot_w + (t >> 5), 1u << (t & 31));
+        p1_zero(pa);
+    } else {
+        const float mass_lo = p1_group_mass(v.mass[0]), mass_hi = p1_group_mass(v.mass[1]);
+        p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, v.moved, st, 0);
+        p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, v.moved, st, 1);
+    }
+}
+
 // One per-row field of a visit record (§10): rows g and g + 8, padding rows +0.
 __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, float lo, float hi, bool vlo, bool vhi) {
     float* f = reinterpret_cast<float*>(rec + field);
@@ -349,13 +493,55 @@ __device__ __forceinline__ void p1_trace_rows(uint8_t* rec, int field, int g, fl
     f[g + 8] = vhi ? hi : 0.0f;
 }
 
+// §10 (apa_emu/pass1.py p1_record): the visit's record, if the warp is traced; nothing outside trace builds.
+template <int NDN>
+__device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, bool hot, int t,
+                                          const P1Visit& v, const P1State<NDN>& st) {
+#if APA_TRACE
+    if (w.trace == nullptr) return;
+    uint8_t* rec = w.trace + (size_t)st.visit * VISIT_BYTES;
+    if (wr.lane == 0) {
+        int* hdr = reinterpret_cast<int*>(rec);
+        hdr[0] = w.b; hdr[1] = w.hk; hdr[2] = wr.w; hdr[3] = st.visit; hdr[4] = t;
+        hdr[5] = hot ? 1 : 0;  // hot (u1) and the 3 padding bytes
+    }
+    if (wr.t0 == 0) {
+        p1_trace_rows(rec, VISIT_C, wr.g, v.c[0], v.c[1], wr.v_lo, wr.v_hi);
+        p1_trace_rows(rec, VISIT_M, wr.g, st.m[0], st.m[1], wr.v_lo, wr.v_hi);
+        p1_trace_rows(rec, VISIT_TL, wr.g, v.tl[0], v.tl[1], wr.v_lo, wr.v_hi);
+        p1_trace_rows(rec, VISIT_LA, wr.g, st.r[0].la, st.r[1].la, wr.v_lo, wr.v_hi);
+        p1_trace_rows(rec, VISIT_LC, wr.g, st.r[0].lc, st.r[1].lc, wr.v_lo, wr.v_hi);
+        const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
+        p1_trace_rows(rec, VISIT_TV, wr.g, v.tv[0], v.tv[1], wr.v_lo && out, wr.v_hi && out);
+        p1_trace_rows(rec, VISIT_LV, wr.g, st.r[0].lv, st.r[1].lv, wr.v_lo && out, wr.v_hi && out);
+    }
+#endif
+}
+
+// One visit of tile t by a warp that has it (§7.1's mask to §7.8, §10): the loop body of
+// apa_emu/pass1.py pass1_warp past p1_scores, s holding the scores. pa leaves as P̂ of a cold tile,
+// zero for a hot one: the caller's P̂·V̂ adds it to o.
+template <int NDN>
+__device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, int t,
+                                         float (&s)[8][4], P1State<NDN>& st, uint32_t (&pa)[4][4]) {
+    P1Visit v;
+    float gm[2][4];
+    p1_mask(s, wr, w, t);
+    v.moved = p1_frame(s, wr, w.cq, st.m, a.tau, gm, v.c);
+    p1_phat(a, wr, w, s, gm, v, pa);
+    p1_row_sums(a, w, pa, t, v);
+    const bool hot = p1_hot_test(a, wr, st, v);
+    p1_branch(a, wr, w, hot, t, v, st, pa);
+    p1_record(a, wr, w, hot, t, v, st);
+    ++st.visit;
+}
+
 // §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf,
 // ad1 = ad ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask words, set by lane 0's
 // atomics in this launch or an earlier segment's, read past L1) exports part = o ⊗ (vg ⊘ lc) (§9.5).
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
-                                          const float (&o)[NDN][4], float m_lo, float m_hi, const P1Sums& lo,
-                                          const P1Sums& hi) {
+                                          const P1State<NDN>& st) {
     const float kf = a.Kf;
     const float vg = a.scales[bh * 2 + 1];
     const float vk = fmul(vg, kf);
@@ -372,34 +558,114 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
         const int r = half ? wr.r_hi : wr.r_lo;
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         float* prow = a.part + (bh * geo.Rp_buf + r) * D;
-        const float f = direct ? fdiv(vg, half ? hi.lc : lo.lc) : vk;
+        const float f = direct ? fdiv(vg, st.r[half].lc) : vk;
 #pragma unroll
         for (int dn = 0; dn < NDN; ++dn) {
-            float2 val = make_float2(fmul(o[dn][2 * half], f), fmul(o[dn][2 * half + 1], f));
+            float2 val = make_float2(fmul(st.o[dn][2 * half], f), fmul(st.o[dn][2 * half + 1], f));
             *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
         }
         if (wr.t0 == 0) {
             float* ml = a.ml + (bh * geo.Rp_buf + r) * 3;
-            ml[0] = half ? m_hi : m_lo;
-            ml[1] = fmul(half ? hi.lc : lo.lc, kf);
-            ml[2] = fmul(half ? hi.ad : lo.ad, kf);
+            ml[0] = st.m[half];
+            ml[1] = fmul(st.r[half].lc, kf);
+            ml[2] = fmul(st.r[half].ad, kf);
         }
     }
 }
 
-// One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
-template <bool SEGMENT>
-__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
-                                          int qb, bool fresh) {
-    constexpr int NKS = D / 16;   // channel k-steps
-    constexpr int NDN = D / 8;    // channel n-tiles of o
-    const size_t bh = (size_t)b * geo.Hkv + hk;
+// The warp's rows (common.cuh warp_rows) as pass 1 runs them.
+__device__ __forceinline__ WarpRows p1_rows(const Pass1Args& a, const Geom& geo, int qb) {
     WarpRows wr = warp_rows(geo, qb);
     if (a.pad_vote) {  // §6.2: padding rows vote, over the keys of their own unclamped positions
         wr.run_lo = wr.run_hi = true;
         wr.lim_lo = geo.lim(wr.r_lo), wr.lim_hi = geo.lim(wr.r_hi);
         wr.lo_lo = geo.lo(wr.r_lo), wr.lo_hi = geo.lo(wr.r_hi);
     }
+    return wr;
+}
+
+// Q̂ of the warp's 16 rows (§7.1) into Qg, its warpgroup's image (rows 16 (wl mod 4) ..), as one cp.async
+// group, and c_q per row. A warp past the CTA's rows zeroes its rows of the image: the
+// warpgroup's wgmma reads them too.
+__device__ __forceinline__ void p1_load_q(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
+                                          uint16_t* Qg, float (&cq)[2]) {
+    const int wrow = 16 * (wr.wl & 3);  // the warp's first row in the image
+    cq[0] = cq[1] = 1.0f;
+    const uint16_t* qsrc = a.qhat + (bh * geo.Rp_buf + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
+    for (int c = wr.lane; c < 16 * (D / 8); c += 32) {
+        const int row = c / (D / 8), col = (c % (D / 8)) * 8;
+        cp_async16(Qg + sw128_half(wrow + row, col, 64), qsrc + (size_t)row * D + col, wr.warp_active ? 16u : 0u);
+    }
+    if (wr.warp_active) {
+        cq[0] = a.cq[bh * geo.Rp_buf + wr.r_lo];
+        cq[1] = a.cq[bh * geo.Rp_buf + wr.r_hi];
+    }
+    cp_async_commit();
+}
+
+// The warp's P1Warp. lim_w, lo_w: through __reduce, so that p1_mask's test is warp-uniform.
+__device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh, int b,
+                                          int hk, const float (&cq)[2], float lg2_lane, bool inter) {
+    P1Warp w;
+    w.cq[0] = cq[0], w.cq[1] = cq[1];
+    w.lg2_lane = lg2_lane;
+    w.inter = inter;
+    w.b = b, w.hk = hk;
+    w.trace = nullptr;
+#if APA_TRACE
+    if (wr.warp_active) {
+        const int vb = a.visit_base[bh * geo.nw_buf + wr.w];
+        if (vb >= 0) w.trace = a.trace_visits + (size_t)vb * VISIT_BYTES;
+    }
+#endif
+    w.hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;
+    const int lim_w = __reduce_min_sync(0xFFFFFFFFu, min(wr.lim_lo, wr.lim_hi));
+    const int lo_w = __reduce_max_sync(0xFFFFFFFFu, max(wr.lo_lo, wr.lo_hi));
+    w.lim_w = lim_w, w.lo_w = lo_w;
+    w.nu_lane = a.output && (wr.g & 1);
+    w.nu_bh = w.nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
+    return w;
+}
+
+// §7.1 scores of one tile (apa_emu/pass1.py p1_scores), per n-tile a chain over channel k-steps
+// ascending from C = s (+0), issued by the whole warpgroup (wgmma is collective) between the caller's
+// wg_fence and wg_commit; warps without the tile discard it.
+__device__ __forceinline__ void p1_scores(float (&s)[8][4], const WgOperand& Qop, const WgOperand& Kop) {
+    constexpr int NKS = D / 16;  // channel k-steps
+#pragma unroll
+    for (int ks = 0; ks < NKS; ++ks)
+        wgmma_ss_n64(s, Qop.plus((ks >> 2) * 64 * 64 + (ks & 3) * 16), Kop.plus((ks >> 2) * TILE * 64 + (ks & 3) * 16));
+}
+
+// §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by the whole
+// warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the largest term, which
+// leaves o as it is bit for bit (mma_models.md §3).
+template <int NDN>
+__device__ __forceinline__ void p1_pv(P1State<NDN>& st, const uint32_t (&pa)[4][4], const WgOperand& Vop) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs(st.o, pa[kk], Vop.plus(16 * kk));
+}
+
+// Pass 1's hardware barriers besides barrier 0 (__syncthreads), as FA3's FwdNamedBarriers. The
+// warpgroups issue their MMA batches (batch 0: step 0's scores; batch j + 1: step j's P̂·V̂ and step
+// j + 1's scores) in turn, 0, 1, 2, 0, ..., FA3's warp-scheduler barrier: without it they drift into
+// issuing together and then all wait for the tensor cores while the ALUs idle (the turns: −2 % in the
+// fast mode, docs/benchmarks.md). Warpgroup w waits on MmaTurn + w for its predecessor's arrival
+// (P1_TURN_THREADS: the two warpgroups); every batch has its successor but the last.
+enum class P1Barrier : int { MmaTurn = 1 };
+constexpr int P1_NWG = WARPS / 4, P1_TURN_THREADS = 2 * 128;
+static_assert((int)P1Barrier::MmaTurn + P1_NWG <= 16, "one hardware barrier per warpgroup besides barrier 0");
+__device__ __forceinline__ int p1_turn_barrier(int wg) { return (int)P1Barrier::MmaTurn + wg; }
+
+// One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
+// The loop over the CTA's visiting order runs the tile ring and the warpgroups' turns at the tensor
+// cores; a warp's own visits are p1_visit.
+template <bool SEGMENT>
+__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
+                                          int qb, bool fresh) {
+    constexpr int NDN = D / 8;  // channel n-tiles of o
+    const size_t bh = (size_t)b * geo.Hkv + hk;
+    const WarpRows wr = p1_rows(a, geo, qb);
     const bool inter = a.interleaved != 0;
     const float lg2_lane = lg2_table(wr.lane < 9 ? wr.lane : 0);
     TileRing<P1_STAGES> ring(smem);
@@ -409,94 +675,43 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     if constexpr (SEGMENT) step_range(wr.Fmin, wr.Tmax, a.ascending, a.span.lo, a.span.hi, i0, i1);
     const int nst = i1 - i0;
     if (nst == 0) return;  // the whole CTA
-
-    // Q̂ of the warp's 16 rows into its warpgroup's image (§7.1), c_q per row. Rows of warps past
-    // the CTA's rows are zero: the warpgroup's wgmma reads them too.
-    const int wrow = 16 * (wr.wl & 3);                    // the warp's first row in the image
-    // The warpgroup's image. Its index through a shuffle from lane 0, which the compiler knows to be
+    // The warpgroup's Q̂ image. Its index through a shuffle from lane 0, which the compiler knows to be
     // warp-uniform: the Q̂ descriptors of the score wgmma then live in uniform registers, where
     // computed from threadIdx they took six instructions per wgmma to move there (~45 a step).
     const int wg = __shfl_sync(0xFFFFFFFFu, wr.wl >> 2, 0);
     uint16_t* Qg = ring.tail() + wg * 64 * D;
-    float cq_lo = 1.0f, cq_hi = 1.0f;
-    {
-        const uint16_t* qsrc = a.qhat + (bh * geo.Rp_buf + (wr.warp_active ? wr.row0 : 0)) * D;  // padded to Rp
-        for (int c = wr.lane; c < 16 * (D / 8); c += 32) {
-            const int row = c / (D / 8), col = (c % (D / 8)) * 8;
-            cp_async16(Qg + sw128_half(wrow + row, col, 64),
-                       qsrc + (size_t)row * D + col, wr.warp_active ? 16u : 0u);
-        }
-        if (wr.warp_active) {
-            cq_lo = a.cq[bh * geo.Rp_buf + wr.r_lo];
-            cq_hi = a.cq[bh * geo.Rp_buf + wr.r_hi];
-        }
-    }
-    cp_async_commit();
-
-    float m_lo = neg_inf(), m_hi = neg_inf();
-    P1Sums r_lo = {0.0f, 0.0f, 0.0f, 0.0f}, r_hi = {0.0f, 0.0f, 0.0f, 0.0f};
-    float o[NDN][4];
-#pragma unroll
-    for (int dn = 0; dn < NDN; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    int visit = 0;
-    [[maybe_unused]] uint8_t* trace_base = nullptr;
-#if APA_TRACE
-    if (wr.warp_active) {
-        const int vb = a.visit_base[bh * geo.nw_buf + wr.w];
-        if (vb >= 0) trace_base = a.trace_visits + (size_t)vb * VISIT_BYTES;
-    }
-#endif
-
-    uint32_t* const hot_w = a.hot + (bh * geo.nw_buf + wr.w) * geo.W_buf;  // the warp's hot-mask words
-    // The warp's tightest key limits: the mask below is then a uniform branch, not a divergent one
-    // (the lanes whose rows a tile does not pass keep their scores: the mask's selects leave them).
-    const int lim_w = __reduce_min_sync(0xFFFFFFFFu, min(wr.lim_lo, wr.lim_hi));
-    const int lo_w = __reduce_max_sync(0xFFFFFFFFu, max(wr.lo_lo, wr.lo_hi));
+    float cq[2];
+    p1_load_q(a, geo, wr, bh, Qg, cq);
+    P1State<NDN> st;
+    p1_init(st);
     const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
-    // §7.6's tv (output test): column g of its MMA is lane group g's, and the odd ones carry ν.
-    const bool nu_lane = a.output && (wr.g & 1);
-    const uint16_t* nu_bh = nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
+    const P1Warp w = p1_warp(a, geo, wr, bh, b, hk, cq, lg2_lane, inter);
     auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
         const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
         ring.load_images(j, khat_bh + base, vhat_bh + base);
     };
     if (wr.wl < P1_STAGES && wr.wl < nst) load(wr.wl);
-    // This lane's Q̂ copies (generic proxy) before the warpgroup's wgmma reads them (async proxy).
     cp_async_wait<0>();
-    fence_proxy_async();
+    fence_proxy_async();  // this lane's Q̂ copies (generic proxy) before the wgmma reads them (async proxy)
     __syncthreads();
-
-    // §7.1 scores of step i: per n-tile, a chain over channel k-steps ascending from C = +0. The
-    // whole warpgroup issues it (wgmma is collective); warps without the tile discard it.
     float s[8][4];
     const WgOperand Qop = wg_operand(Qg), stage_op = wg_operand(ring.stage(0));
-    auto issue_scores = [&](int j) {
+    auto issue_scores = [&](int j) {  // p1_scores of step j
         ring.wait(j);
         const WgOperand Kop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        p1_zero(s);
         wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < NKS; ++ks)
-            wgmma_ss_n64(s, Qop.plus((ks >> 2) * 64 * 64 + (ks & 3) * 16),
-                         Kop.plus((ks >> 2) * TILE * 64 + (ks & 3) * 16));
+        p1_scores(s, Qop, Kop);
         wg_commit();
     };
-    // The warpgroups issue their MMA batches (batch 0: step 0's scores; batch j + 1: step j's P̂·V̂ and
-    // step j + 1's scores) in turn, 0, 1, 2, 0, ..., FA3's warp-scheduler barrier: without it they drift
-    // into issuing together and then all wait for the tensor cores while the ALUs idle (the turns:
-    // −2 % in the fast mode, docs/benchmarks.md). Warpgroup w waits on barrier 1 + w (0 is
-    // __syncthreads) for its predecessor's arrival; every batch has its successor but the last.
-    constexpr int NWG = WARPS / 4, TURN_THREADS = 2 * 128;  // a warpgroup and its predecessor
-    static_assert(NWG < 16, "one hardware barrier per warpgroup besides barrier 0");
-    auto mma_turn = [&](int batch) {
-        if constexpr (NWG > 1)
-            if (batch > 0 || wg > 0) named_bar_sync(1 + wg, TURN_THREADS);
+    auto mma_turn = [&](int batch) {  // the warpgroups' turns at the tensor cores: see P1Barrier
+        if constexpr (P1_NWG > 1)
+            if (batch > 0 || wg > 0) named_bar_sync(p1_turn_barrier(wg), P1_TURN_THREADS);
     };
     auto mma_pass = [&](int batch) {
-        if constexpr (NWG > 1)
-            if (batch < nst || wg < NWG - 1) named_bar_arrive(1 + (wg + 1) % NWG, TURN_THREADS);
+        if constexpr (P1_NWG > 1)
+            if (batch < nst || wg < P1_NWG - 1) named_bar_arrive(p1_turn_barrier((wg + 1) % P1_NWG), P1_TURN_THREADS);
     };
     // Step i's P̂·V̂ and step i+1's scores run on the tensor cores together: one wait per step. The
     // warp releases a stage once both are done (its V̂ᵀ feeds the former).
@@ -507,120 +722,21 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     for (int j = 0; j < nst; ++j) {
         const int t = visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending);
         wg_wait<0>();
-        // A resumed run's state (§6.7). Only the segment kernel has this code: with o loaded, ptxas
-        // serializes the kernel's wgmma (its warning C7515).
-        if constexpr (SEGMENT)
-            if (j == 0 && i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, o, m_lo, m_hi, r_lo, r_hi, visit);
+        if constexpr (SEGMENT)  // a resumed run's state (§6.7)
+            if (j == 0 && i0 > 0 && wr.warp_active) p1_carry(a, geo, wr, bh, false, st);
         // The release of step j − 1's stage, tested a step later, when the counter's round trip is done:
         // the last warp out loads step j + NS − 2 there.
         if (j > 1 && ring.released(j - 2, rel) && j - 2 + P1_STAGES < nst) load(j - 2 + P1_STAGES);
         if (j > 0) rel = ring.release_begin(j - 1);
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4];  // P̂ of a cold tile; zero otherwise (set on each path: no zeroing first)
-        if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {
-            // Mask: keys outside lo_r .. lim_r -> -inf (only tiles that reach past a row's limits).
-            if (t * TILE + TILE - 1 > lim_w || t * TILE < lo_w) {
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = t * TILE + slot_key(8 * nt + 2 * wr.t0 + e, inter);
-                        if (key > wr.lim_lo || key < wr.lo_lo) s[nt][e] = neg_inf();
-                        if (key > wr.lim_hi || key < wr.lo_hi) s[nt][2 + e] = neg_inf();
-                    }
-                }
-            }
-            float gm_lo[4], gm_hi[4], c_lo, c_hi;
-            const bool moved = p1_frame(s, wr, cq_lo, cq_hi, m_lo, m_hi, a.tau, gm_lo, gm_hi, c_lo, c_hi);
-            // §7.4 P scales: the 4 lanes of a quad share rows g and g+8, so lane t0 computes the
-            // scales of group t0 for both rows (the same values, a quarter of the work); §7.5 P'.
-            const float gsel[2] = {
-                wr.t0 == 0 ? gm_lo[0] : wr.t0 == 1 ? gm_lo[1] : wr.t0 == 2 ? gm_lo[2] : gm_lo[3],
-                wr.t0 == 0 ? gm_hi[0] : wr.t0 == 1 ? gm_hi[1] : wr.t0 == 2 ? gm_hi[2] : gm_hi[3]};
-            float my_bias[2], my_sc[2], my_mass[2];
-            p1_pscale(gsel, {cq_lo, cq_hi}, {c_lo, c_hi}, a, lg2_lane, my_bias, my_sc, my_mass);
-            const float my_bias_lo = my_bias[0], my_bias_hi = my_bias[1], my_sc_lo = my_sc[0], my_sc_hi = my_sc[1];
-            const float my_mass_lo = my_mass[0], my_mass_hi = my_mass[1];
-            float tl4[4];  // §7.6 tile row sums
-            // The element loop compiled per (quantized P', fused y): a run-time select there costs ~5 %.
-#define APA_PFRAGS(QUANT, FUSED) \
-    p1_pfrags<QUANT, FUSED>(s, cq_lo, cq_hi, my_bias_lo, my_bias_hi, my_sc_lo, my_sc_hi, pa, tl4)
-            if (a.quant_p)
-                a.fma ? APA_PFRAGS(true, true) : APA_PFRAGS(true, false);
-            else
-                a.fma ? APA_PFRAGS(false, true) : APA_PFRAGS(false, false);
-#undef APA_PFRAGS
-            const float tl_lo = tl4[0], tl_hi = tl4[2];
-            // Without the output test lv runs beside la on tl and nothing reads it. With it, tv is the same
-            // chain against ν in the odd columns (k = slots 16 gi + 2 t0 + {0, 1} and + 8): an MMA's columns
-            // are independent dot products, so a second chain gives the bits ν beside the ones in one MMA
-            // gave, and the mass test issues neither it nor ν's loads and their addresses (~15 a step).
-            float tv_lo = tl_lo, tv_hi = tl_hi;
-            if (a.output) {
-                uint32_t bw[4][2];
-#pragma unroll
-                for (int gi = 0; gi < 4; ++gi) bw[gi][0] = bw[gi][1] = ONES_H2;  // the even columns: unread
-                if (nu_lane) {
-                    const uint16_t* nu_t = nu_bh + a.span.slot(t) * TILE;
-#pragma unroll
-                    for (int gi = 0; gi < 4; ++gi) {
-                        bw[gi][0] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi);
-                        bw[gi][1] = *reinterpret_cast<const uint32_t*>(nu_t + 16 * gi + 8);
-                    }
-                }
-                float tv4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int gi = 0; gi < 4; ++gi) mma_f32_acc(tv4, pa[gi], bw[gi][0], bw[gi][1]);
-                tv_lo = tv4[1], tv_hi = tv4[3];
-            }
-            float a_lo, a_hi;
-            const bool hot = a.output ? p1_hot_test(wr, tv_lo, tv_hi, c_lo, c_hi, m_lo, m_hi, r_lo.lv, r_hi.lv, a.eps,
-                                                    a.fma, moved, a_lo, a_hi)
-                                      : p1_hot_test(wr, tl_lo, tl_hi, c_lo, c_hi, m_lo, m_hi, r_lo.la, r_hi.la, a.eps,
-                                                    a.fma, moved, a_lo, a_hi);
-            if (hot) {
-                p1_hot_branch(c_lo, tl_lo, tv_lo, a.delta, moved, m_lo, r_lo, o, 0, a.fma);
-                p1_hot_branch(c_hi, tl_hi, tv_hi, a.delta, moved, m_hi, r_hi, o, 1, a.fma);
-                if (wr.lane == 0) atomicOr(hot_w + (t >> 5), 1u << (t & 31));
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-            } else {
-                const float mass_lo = p1_group_mass(my_mass_lo), mass_hi = p1_group_mass(my_mass_hi);
-                p1_cold_branch(c_lo, a_lo, tl_lo, tv_lo, mass_lo, moved, m_lo, r_lo, o, 0);
-                p1_cold_branch(c_hi, a_hi, tl_hi, tv_hi, mass_hi, moved, m_hi, r_hi, o, 1);
-            }
-#if APA_TRACE
-            if (trace_base != nullptr) {
-                uint8_t* rec = trace_base + (size_t)visit * VISIT_BYTES;
-                if (wr.lane == 0) {
-                    int* hdr = reinterpret_cast<int*>(rec);
-                    hdr[0] = b; hdr[1] = hk; hdr[2] = wr.w; hdr[3] = visit; hdr[4] = t;
-                    hdr[5] = hot ? 1 : 0;  // hot (u1) and the 3 padding bytes
-                }
-                if (wr.t0 == 0) {
-                    p1_trace_rows(rec, VISIT_C, wr.g, c_lo, c_hi, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_M, wr.g, m_lo, m_hi, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_TL, wr.g, tl_lo, tl_hi, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_LA, wr.g, r_lo.la, r_hi.la, wr.v_lo, wr.v_hi);
-                    p1_trace_rows(rec, VISIT_LC, wr.g, r_lo.lc, r_hi.lc, wr.v_lo, wr.v_hi);
-                    const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
-                    p1_trace_rows(rec, VISIT_TV, wr.g, tv_lo, tv_hi, wr.v_lo && out, wr.v_hi && out);
-                    p1_trace_rows(rec, VISIT_LV, wr.g, r_lo.lv, r_hi.lv, wr.v_lo && out, wr.v_hi && out);
-                }
-            }
-#endif
-            ++visit;
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-        }
+        if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)
+            p1_visit(a, wr, w, t, s, st, pa);
+        else
+            p1_zero(pa);
         mma_turn(j + 1);
-        // §7.8 cold branch, o = chain of P̂·V̂ over the 4 groups in slot order with C = o, issued by
-        // the whole warpgroup: the zero P̂ of a hot or skipped tile adds zero products to C, the
-        // largest term, which leaves o as it is bit for bit (mma_models.md §3).
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], Vop.plus(16 * kk));
+        p1_pv(st, pa, Vop);
         wg_commit();
         if (j + 1 < nst) issue_scores(j + 1);
         mma_pass(j + 1);
@@ -629,9 +745,9 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
 
     if (!wr.warp_active) return;
     if (SEGMENT && i1 < wr.steps)
-        p1_carry(a, geo, wr, bh, true, o, m_lo, m_hi, r_lo, r_hi, visit);
+        p1_carry(a, geo, wr, bh, true, st);
     else
-        p1_export(a, geo, wr, bh, o, m_lo, m_hi, r_lo, r_hi);
+        p1_export(a, geo, wr, bh, st);
 }
 
 }  // namespace apa

@@ -68,22 +68,19 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     st.l4_lo = st.l4_hi = 0.0f;
 }
 
-// One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
+// §8.1 scores of tile t (apa_emu/pass2.py p2_scores): S = chain over channels from C = +0, FP16
+// accumulation, then x = (float(S) ⊗ qmul) ⊖ sh; FUSED: x at the seed's FMA site (§1.8). ldmatrix row
+// addresses in the K̂ image: sw128_half(r, c, TILE) with the lane's r and c split into the lane's part
+// and the k-step's; r mod 8 = lane mod 8 in every matrix, so the swizzle is an XOR of the k-step's
+// chunk bits with one per-lane constant.
 template <bool FUSED>
-__device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
-                                        const uint16_t* Vs, int t, const WarpRows& wr, float sh_lo, float sh_hi,
-                                        float qmul) {
-    constexpr int NKS = D / 16, NDN = D / 8;
-    const int lane = threadIdx.x & 31, t0 = lane & 3;
-    // ldmatrix row addresses in the tile images: sw128_half(r, c, TILE) with the lane's r and c
-    // split into the lane's part and the k-step's; r mod 8 = lane mod 8 in every matrix, so the
-    // swizzle is an XOR of the k-step's chunk bits with one per-lane constant.
+__device__ __forceinline__ void p2_scores(const uint32_t (&qa)[D / 16][4], const uint16_t* Ks, float sh_lo,
+                                          float sh_hi, float qmul, float (&x)[8][4]) {
+    constexpr int NKS = D / 16;
+    const int lane = threadIdx.x & 31;
     const int l7 = lane & 7;
     const uint16_t* k_rows = Ks + 64 * (8 * (lane >> 4) + l7);          // r = 16 np + 8 (lane >> 4) + l7
     const int k_chunk = ((lane >> 3) & 1) ^ l7;                          // c = 16 ks + 8 ((lane >> 3) & 1)
-    const uint16_t* v_rows = Vs + 64 * (8 * ((lane >> 3) & 1) + l7);    // r = 16 kk + 8 ((lane >> 3) & 1) + l7
-    const int v_chunk = (lane >> 4) ^ l7;                                // c = 16 dp + 8 (lane >> 4)
-    // §8.1 S = chain over channels from C = +0, FP16 accumulation.
     uint32_t s16[8][2];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) s16[nt][0] = s16[nt][1] = 0u;
@@ -97,17 +94,20 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             mma_f16_acc(s16[2 * np + 1], qa[ks], kb[2], kb[3]);
         }
     }
-    // x = (float(S) ⊗ qmul) ⊖ sh, -inf where key > lim or key < lo: the selects only on the lanes
-    // whose rows the tile reaches past (a few tiles of each warp; ~100 instructions a tile).
-    float x[8][4];  // [nt][lo e0, lo e1, hi e0, hi e1]
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < 8; ++nt) {  // x[nt]: lo e0, lo e1, hi e0, hi e1
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             x[nt][e] = madd(f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0])), qmul, -sh_lo, FUSED);
             x[nt][2 + e] = madd(f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1])), qmul, -sh_hi, FUSED);
         }
     }
+}
+
+// §8.1's mask: x = −inf where key > lim or key < lo, the selects only on the lanes whose rows the tile
+// reaches past (a few tiles of each warp; ~100 instructions a tile).
+__device__ __forceinline__ void p2_mask(float (&x)[8][4], const WarpRows& wr, int t) {
+    const int t0 = threadIdx.x & 3;
     if (t * TILE + TILE - 1 > min(wr.lim_lo, wr.lim_hi) || t * TILE < max(wr.lo_lo, wr.lo_hi)) {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -119,7 +119,11 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
             }
         }
     }
-    // §8.2 frame.
+}
+
+// §8.2 frame (apa_emu/pass2.py p2_frame): m = max(m, the tile's row max), l4 and O rescaled by
+// a = exp2(m_old ⊖ m); ms: the shift of §8.3 (+0 while m = −inf).
+__device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4], float& ms_lo, float& ms_hi) {
     float mx_lo = st.m_lo, mx_hi = st.m_hi;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -134,13 +138,13 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
     const float a_hi = (mx_hi == st.m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(st.m_hi, mx_hi));
     st.m_lo = mx_lo;
     st.m_hi = mx_hi;
-    const float ms_lo = (st.m_lo == neg_inf()) ? 0.0f : st.m_lo;
-    const float ms_hi = (st.m_hi == neg_inf()) ? 0.0f : st.m_hi;
+    ms_lo = (st.m_lo == neg_inf()) ? 0.0f : st.m_lo;
+    ms_hi = (st.m_hi == neg_inf()) ? 0.0f : st.m_hi;
     st.l4_lo = fmul(st.l4_lo, a_lo);
     st.l4_hi = fmul(st.l4_hi, a_hi);
 #if APA_P2_F32
 #pragma unroll
-    for (int dn = 0; dn < NDN; ++dn) {
+    for (int dn = 0; dn < D / 8; ++dn) {
         st.O[dn][0] = fmul(st.O[dn][0], a_lo);
         st.O[dn][1] = fmul(st.O[dn][1], a_lo);
         st.O[dn][2] = fmul(st.O[dn][2], a_hi);
@@ -151,14 +155,18 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
         const __half ah_lo = f16(a_lo), ah_hi = f16(a_hi);
         const uint32_t m2_lo = pack_h2(ah_lo, ah_lo), m2_hi = pack_h2(ah_hi, ah_hi);
 #pragma unroll
-        for (int dn = 0; dn < NDN; ++dn) {
+        for (int dn = 0; dn < D / 8; ++dn) {
             st.O[dn][0] = hmul2(st.O[dn][0], m2_lo);
             st.O[dn][1] = hmul2(st.O[dn][1], m2_hi);
         }
     }
 #endif
-    // §8.3 probabilities, §8.4 row sum (per t0, n-tiles in order), §8.5 P16 A fragments.
-    uint32_t pa[4][4];
+}
+
+// §8.3 probabilities (apa_emu/pass2.py p2_probs), §8.4 row sum (p2_row_sum: per t0, n-tiles in order)
+// and §8.5's P16 A fragments pa, in one pass over the n-tiles.
+__device__ __forceinline__ void p2_probs(Pass2State& st, const float (&x)[8][4], float ms_lo, float ms_hi,
+                                         uint32_t (&pa)[4][4]) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
         const float p0 = exp2x<exp2s_nonpos>(fsub(x[nt][0], ms_lo));
@@ -170,11 +178,18 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
         pa[nt >> 1][(nt & 1) * 2 + 0] = f16x2(p0, p1);
         pa[nt >> 1][(nt & 1) * 2 + 1] = f16x2(p2, p3);
     }
-    // §8.5 O = chain of P16·V over the 4 16-key k-steps with C = O.
+}
+
+// §8.5 (apa_emu/pass2.py p2_pv): O = chain of P16·V over the 4 16-key k-steps with C = O. ldmatrix
+// rows of the V̂ᵀ image as in p2_scores.
+__device__ __forceinline__ void p2_pv(Pass2State& st, const uint32_t (&pa)[4][4], const uint16_t* Vs) {
+    const int lane = threadIdx.x & 31, l7 = lane & 7;
+    const uint16_t* v_rows = Vs + 64 * (8 * ((lane >> 3) & 1) + l7);    // r = 16 kk + 8 ((lane >> 3) & 1) + l7
+    const int v_chunk = (lane >> 4) ^ l7;                                // c = 16 dp + 8 (lane >> 4)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-        for (int dp = 0; dp < NDN / 2; ++dp) {
+        for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t vb[4];
             ldsm_x4_trans(vb, v_rows + 1024 * kk + 4096 * (dp >> 2) + ((((dp & 3) << 1) ^ v_chunk) << 3));
 #if APA_P2_F32
@@ -186,6 +201,21 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
 #endif
         }
     }
+}
+
+// One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
+template <bool FUSED>
+__device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
+                                        const uint16_t* Vs, int t, const WarpRows& wr, float sh_lo, float sh_hi,
+                                        float qmul) {
+    float x[8][4];
+    p2_scores<FUSED>(qa, Ks, sh_lo, sh_hi, qmul, x);
+    p2_mask(x, wr, t);
+    float ms_lo, ms_hi;
+    p2_frame(st, x, ms_lo, ms_hi);
+    uint32_t pa[4][4];
+    p2_probs(st, x, ms_lo, ms_hi, pa);
+    p2_pv(st, pa, Vs);
 }
 
 // o2 element of this lane: row half (0 lo, 1 hi), channel 8dn + 2t0 + e (§8.6: o2 = float(O)).
@@ -323,6 +353,52 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
     }
 }
 
+// The warp's hot-mask words into Hs and their union over the slice into U (the tiles its ring loads;
+// each warp computes only its own), U0: every slice's union. Under all_hot (ε < 0, §9.6) every active
+// tile F_w .. T_w is hot, and the words are written to hot_w as well.
+__device__ __forceinline__ void p2_hot_union(const Pass2Args& a, const Geom& geo, const WarpRows& wr, uint32_t* hot_w,
+                                             uint32_t* U0, uint32_t* U, uint32_t* Hs) {
+    for (int j = threadIdx.x; j < P2_SLICES * geo.W; j += THREADS) U0[j] = 0u;
+    __syncthreads();
+    if (wr.warp_active) {
+        for (int j = wr.lane; j <= (wr.Tw >> 5); j += 32) {
+            uint32_t word;
+            if (a.all_hot) {
+                const int first = max(wr.Fw - 32 * j, 0), last = min(wr.Tw - 32 * j, 31);  // bits of word j
+                word = first > last ? 0u : (0xFFFFFFFFu >> (31 - last)) & (0xFFFFFFFFu << first);
+                hot_w[j] = word;
+            } else {
+                word = __ldcg(hot_w + j);
+            }
+            Hs[j] = word;
+            atomicOr(&U[j], word);
+        }
+    }
+    __syncthreads();
+}
+
+// Q (FP16) as the A fragments of §8.1's MMA, zero in invalid rows, and the row shifts sh (§5.3).
+__device__ __forceinline__ void p2_load_q(const Pass2Args& a, const Geom& geo, const WarpRows& wr, size_t bh, int hk,
+                                          uint32_t (&qa)[D / 16][4], float& sh_lo, float& sh_hi) {
+    sh_lo = 0.0f, sh_hi = 0.0f;
+    const int rl = wr.v_lo ? wr.r_lo : 0, rh = wr.v_hi ? wr.r_hi : 0;
+    const uint32_t* qlo = reinterpret_cast<const uint32_t*>(
+        a.q + ((geo.q0 + rl / geo.G) * geo.H + hk * geo.G + rl % geo.G) * D);
+    const uint32_t* qhi = reinterpret_cast<const uint32_t*>(
+        a.q + ((geo.q0 + rh / geo.G) * geo.H + hk * geo.G + rh % geo.G) * D);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        qa[ks][0] = wr.v_lo ? qlo[8 * ks + wr.t0] : 0u;
+        qa[ks][1] = wr.v_hi ? qhi[8 * ks + wr.t0] : 0u;
+        qa[ks][2] = wr.v_lo ? qlo[8 * ks + 4 + wr.t0] : 0u;
+        qa[ks][3] = wr.v_hi ? qhi[8 * ks + 4 + wr.t0] : 0u;
+    }
+    if (wr.warp_active) {
+        sh_lo = a.sh[bh * geo.Rp_buf + wr.r_lo];
+        sh_hi = a.sh[bh * geo.Rp_buf + wr.r_hi];
+    }
+}
+
 // Data written by pass 1 (hot words, m1/l1, part) is read with ld.global.cg (L2, not L1): in the
 // fused launch another CTA wrote it, behind the ready flag's release/acquire.
 // One CTA's work item of pass 2 and the merge: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see
@@ -341,46 +417,10 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
     uint32_t* const U = U0 + slice * geo.W;
     uint32_t* Hs = U0 + P2_SLICES * geo.W + wr.wl * geo.W;  // this warp's words
 
-    // Union of the slice's hot masks (the tiles its ring loads; each warp computes only its own).
-    for (int j = threadIdx.x; j < P2_SLICES * geo.W; j += THREADS) U0[j] = 0u;
-    __syncthreads();
-    if (wr.warp_active) {
-        for (int j = wr.lane; j <= (wr.Tw >> 5); j += 32) {
-            uint32_t word;
-            if (a.all_hot) {  // ε < 0 (§9.6): every active tile F_w .. T_w is hot
-                const int first = max(wr.Fw - 32 * j, 0), last = min(wr.Tw - 32 * j, 31);  // bits of word j
-                word = first > last ? 0u : (0xFFFFFFFFu >> (31 - last)) & (0xFFFFFFFFu << first);
-                hot_w[j] = word;
-            } else {
-                word = __ldcg(hot_w + j);
-            }
-            Hs[j] = word;
-            atomicOr(&U[j], word);
-        }
-    }
-    __syncthreads();
-
-    // Q (FP16) A fragments and the row shifts.
+    p2_hot_union(a, geo, wr, hot_w, U0, U, Hs);
     uint32_t qa[NKS][4];
-    float sh_lo = 0.0f, sh_hi = 0.0f;
-    {
-        const int rl = wr.v_lo ? wr.r_lo : 0, rh = wr.v_hi ? wr.r_hi : 0;
-        const uint32_t* qlo = reinterpret_cast<const uint32_t*>(
-            a.q + ((geo.q0 + rl / geo.G) * geo.H + hk * geo.G + rl % geo.G) * D);
-        const uint32_t* qhi = reinterpret_cast<const uint32_t*>(
-            a.q + ((geo.q0 + rh / geo.G) * geo.H + hk * geo.G + rh % geo.G) * D);
-#pragma unroll
-        for (int ks = 0; ks < NKS; ++ks) {
-            qa[ks][0] = wr.v_lo ? qlo[8 * ks + wr.t0] : 0u;
-            qa[ks][1] = wr.v_hi ? qhi[8 * ks + wr.t0] : 0u;
-            qa[ks][2] = wr.v_lo ? qlo[8 * ks + 4 + wr.t0] : 0u;
-            qa[ks][3] = wr.v_hi ? qhi[8 * ks + 4 + wr.t0] : 0u;
-        }
-        if (wr.warp_active) {
-            sh_lo = a.sh[bh * geo.Rp_buf + wr.r_lo];
-            sh_hi = a.sh[bh * geo.Rp_buf + wr.r_hi];
-        }
-    }
+    float sh_lo, sh_hi;
+    p2_load_q(a, geo, wr, bh, hk, qa, sh_lo, sh_hi);
 
     Pass2State st;
     p2_init(st);

@@ -287,6 +287,82 @@ __device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restric
     kvstat_max(kvstat, bh, 3, st);
 }
 
+// §5.3 Q̂'s values of one 16-channel block x (apa_emu/prep.py prep_q): q_mode 0 = NVFP4, q_terms 1 or
+// 2 (the second quantizes the first's residual), 1 = FP8 E4M3, 2 = quantization off.
+__device__ __forceinline__ void prep_q_quant(const float (&x)[16], float (&qh)[16], int q_mode, int q_terms, bool lsq) {
+    if (q_mode == 0) {
+        quant16(x, qh, lsq);
+        if (q_terms == 2) {
+            float res[16], q2[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) res[j] = fsub(x[j], qh[j]);
+            quant16(res, q2, lsq);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) qh[j] = fadd(qh[j], q2[j]);  // exact in binary32
+        }
+    } else if (q_mode == 1) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qh[j] = e4m3_value(e4m3_code(x[j]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) qh[j] = x[j];
+    }
+}
+
+// §5.7 qn, eq, q2n of a row into qstat's row qr (lane cb = 0; +0 for a padding row): one sum of squares per
+// statistic in channel order, handed from block to block along the row's NB lanes (a row never
+// straddles a warp, and warps are wholly in range: Rp is a multiple of 16).
+__device__ __forceinline__ void prep_q_stats(const float (&x)[16], const float (&qh)[16],
+                                             const uint16_t* __restrict__ qrow, int cb, bool valid,
+                                             float* __restrict__ qstat, size_t qr) {
+    constexpr int NB = D / 16;
+    float s_qn = 0.0f, s_eq = 0.0f, s_q2 = 0.0f;
+    const int lane0 = (int)(threadIdx.x & 31) - cb;
+    for (int blk = 0; blk < NB; ++blk) {
+        if (cb == blk) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float qv = f32h(f16(qh[j]));  // the operand's value (§5.6)
+                s_qn = nrm_add(s_qn, qv);
+                s_eq = nrm_add(s_eq, fsub(x[j], qv));
+                s_q2 = nrm_add(s_q2, valid ? f32h(h_from_bits(qrow[16 * cb + j])) : 0.0f);
+            }
+        }
+        s_qn = __shfl_sync(0xFFFFFFFFu, s_qn, lane0 + blk);
+        s_eq = __shfl_sync(0xFFFFFFFFu, s_eq, lane0 + blk);
+        s_q2 = __shfl_sync(0xFFFFFFFFu, s_q2, lane0 + blk);
+    }
+    if (cb == 0) {
+        float* st = qstat + qr * 3;
+        st[0] = valid ? nrm_end(s_qn) : 0.0f;
+        st[1] = valid ? nrm_end(s_eq) : 0.0f;
+        st[2] = valid ? nrm_end(s_q2) : 0.0f;
+    }
+}
+
+// §5.3 row shift of a valid row, then times qmul (§12 #9; apa_emu/prep.py row_shift): sequential over
+// channels, or (lanes) the seed's per-lane sums of channel pairs c, c + 1 (c = 16k + 8h + 2·t0, lane
+// t0) added in pairs. km: the head's K mean.
+__device__ __forceinline__ float row_shift(const uint16_t* __restrict__ qrow, const float* __restrict__ km, float qmul,
+                                           bool lanes, bool fused) {
+    float s = 0.0f;
+    auto qc = [&](int c) { return f32h(h_from_bits(qrow[c])); };
+    if (lanes) {
+        float ls[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k16 = 0; k16 < D; k16 += 16)
+            for (int h8 = 0; h8 < 16; h8 += 8)
+#pragma unroll
+                for (int t0 = 0; t0 < 4; ++t0) {
+                    const int c = k16 + h8 + 2 * t0;
+                    ls[t0] = fadd(ls[t0], madd(qc(c), km[c], fmul(qc(c + 1), km[c + 1]), fused));
+                }
+        s = fadd(fadd(ls[0], ls[1]), fadd(ls[2], ls[3]));
+    } else {
+        for (int c = 0; c < D; ++c) s = fadd(s, fmul(qc(c), km[c]));
+    }
+    return fmul(s, qmul);
+}
+
 // §5.3 Q̂ (as FP16, §5.6), c_q and the row shift sh. D/16 threads per packed row (one per
 // 16-channel block): grid (ceil(Rp * D/16 / 128), Hkv, B), block 128.
 // q_mode: 0 = NVFP4 (q_terms 1 or 2), 1 = FP8 E4M3, 2 = quantization off.
@@ -325,76 +401,17 @@ __device__ __forceinline__ void prep_q(const uint16_t* __restrict__ q, const flo
 #pragma unroll
     for (int j = 0; j < 16; ++j) x[j] = fdiv(x[j], qr);
     float qh[16];
-    if (q_mode == 0) {
-        quant16(x, qh, lsq);
-        if (q_terms == 2) {
-            float res[16], q2[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) res[j] = fsub(x[j], qh[j]);
-            quant16(res, q2, lsq);
-#pragma unroll
-            for (int j = 0; j < 16; ++j) qh[j] = fadd(qh[j], q2[j]);  // exact in binary32
-        }
-    } else if (q_mode == 1) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) qh[j] = e4m3_value(e4m3_code(x[j]));
-    } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) qh[j] = x[j];
-    }
+    prep_q_quant(x, qh, q_mode, q_terms, lsq);
     uint32_t out[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = formed ? f16x2(qh[2 * j], qh[2 * j + 1]) : 0u;
-    // §5.7 qn, eq, q2n: one sum of squares per statistic in channel order, handed from block to block
-    // along the row's NB lanes (a row never straddles a warp, and warps are wholly in range: Rp is a
-    // multiple of 16).
-    float s_qn = 0.0f, s_eq = 0.0f, s_q2 = 0.0f;
-    const int lane0 = (int)(threadIdx.x & 31) - cb;
-    for (int blk = 0; blk < NB; ++blk) {
-        if (cb == blk) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const float qv = f32h(f16(qh[j]));  // the operand's value (§5.6)
-                s_qn = nrm_add(s_qn, qv);
-                s_eq = nrm_add(s_eq, fsub(x[j], qv));
-                s_q2 = nrm_add(s_q2, valid ? f32h(h_from_bits(qrow[16 * cb + j])) : 0.0f);
-            }
-        }
-        s_qn = __shfl_sync(0xFFFFFFFFu, s_qn, lane0 + blk);
-        s_eq = __shfl_sync(0xFFFFFFFFu, s_eq, lane0 + blk);
-        s_q2 = __shfl_sync(0xFFFFFFFFu, s_q2, lane0 + blk);
-    }
-    if (cb == 0) {
-        float* st = qstat + (bh * g.Rp_buf + r) * 3;
-        st[0] = valid ? nrm_end(s_qn) : 0.0f;
-        st[1] = valid ? nrm_end(s_eq) : 0.0f;
-        st[2] = valid ? nrm_end(s_q2) : 0.0f;
-    }
+    prep_q_stats(x, qh, qrow, cb, valid, qstat, bh * g.Rp_buf + r);
     uint4* d4 = reinterpret_cast<uint4*>(qhat + (bh * g.Rp_buf + r) * D + 16 * cb);
     d4[0] = make_uint4(out[0], out[1], out[2], out[3]);
     d4[1] = make_uint4(out[4], out[5], out[6], out[7]);
     if (cb == 0) {
         float s = 0.0f;
-        if (valid) {
-            // Row shift, then times qmul (§5.3, §12 #9): sequential over channels, or the seed's per-lane
-            // sums of channel pairs c, c + 1 (c = 16k + 8h + 2·t0, lane t0) added in pairs.
-            const float* km = kmean + bh * D;
-            auto qc = [&](int c) { return f32h(h_from_bits(qrow[c])); };
-            if (lanes) {
-                float ls[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int k16 = 0; k16 < D; k16 += 16)
-                    for (int h8 = 0; h8 < 16; h8 += 8)
-#pragma unroll
-                        for (int t0 = 0; t0 < 4; ++t0) {
-                            const int c = k16 + h8 + 2 * t0;
-                            ls[t0] = fadd(ls[t0], madd(qc(c), km[c], fmul(qc(c + 1), km[c + 1]), fused));
-                        }
-                s = fadd(fadd(ls[0], ls[1]), fadd(ls[2], ls[3]));
-            } else {
-                for (int c = 0; c < D; ++c) s = fadd(s, fmul(qc(c), km[c]));
-            }
-            s = fmul(s, qmul);
-        }
+        if (valid) s = row_shift(qrow, kmean + bh * D, qmul, lanes, fused);
         cq[bh * g.Rp_buf + r] = formed ? fmul(qr, scales[bh * 2 + 0]) : 1.0f;
         sh[bh * g.Rp_buf + r] = s;
     }

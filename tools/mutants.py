@@ -158,7 +158,7 @@ MUTANTS = [
     Mutant("K22", "kernel prep_v stages each key's raw channels at half their offset", "cuda/prep.cuh",
            "raw_s + (16 * grp + i) * V_ROW + c0);", "raw_s + (16 * grp + i) * V_ROW + c0 / 2);", SIM),
     Mutant("K23", "kernel cold branch: the lo row rescaled by the hi row's a from the hot test", "cuda/pass1.cuh",
-           "p1_cold_branch(c_lo, a_lo, tl_lo", "p1_cold_branch(c_lo, a_hi, tl_lo", SIM),
+           "p1_cold_branch(v.c[0], v.a[0], v.tl[0]", "p1_cold_branch(v.c[0], v.a[1], v.tl[0]", SIM),
     Mutant("K24", "kernel output test: ν never loaded into the row-sum MMA's odd columns", "cuda/pass1.cuh",
            "if (nu_lane) {", "if (false && nu_lane) {", SIM),
     Mutant("K25", "kernel §7.4 a_g: exp2s(u0) as exp2s(x0)·2^floor(u0) at odd-floor ties too", "cuda/pass1.cuh",
