@@ -64,8 +64,8 @@ class Result:
 class Call:
     """A checked call. ``q`` is [B, n, H, d]; ``k``, ``v`` are [B, S, Hkv, d], or the page pools
     [pages, page_size, Hkv, d] when ``pages`` is set; in a varlen call (``seqs``) all three are the
-    packed arrays [1, total, heads, d] and ``shape`` is the longest sequence's, B the sequences. Arrays stay where the
-    caller had them (NumPy or device)."""
+    packed arrays [1, total, heads, d] and ``shape`` is the longest sequence's, B the sequences.
+    Arrays stay where the caller had them (NumPy or device)."""
 
     q: Any
     k: Any
@@ -90,9 +90,9 @@ class Call:
             if warps == []:
                 subs.append(None)
                 continue
-            subs.append(resolve_call(self.q[0, cq[b]:cq[b + 1]], self.k[0, ck[b]:ck[b + 1]], self.v[0, ck[b]:ck[b + 1]],
-                                     int(S[b] - n[b]), window=self.shape.window, trace=_pick(self.trace_spec, b),
-                                     warps=warps))
+            q, k, v = self.q[0, cq[b]:cq[b + 1]], self.k[0, ck[b]:ck[b + 1]], self.v[0, ck[b]:ck[b + 1]]
+            subs.append(resolve_call(q, k, v, int(S[b] - n[b]), window=self.shape.window,
+                                     trace=_pick(self.trace_spec, b), warps=warps))
         return subs
 
 
