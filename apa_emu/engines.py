@@ -15,13 +15,16 @@ The studies and ``apa check`` reach an implementation of numerics.md only throug
 
 The emulator is the engine "cpu". Other packages register theirs as entry points of the group
 ``apa_emu.engines`` (``name = "module:Class"``), so that apa_emu never imports them; such a class is
-built as ``cls(devices=..., note=...)``.
+built as ``cls(devices=..., note=...)``. A checkout that is not installed (on the device, a copy run with
+PYTHONPATH) names them in ``$APA_ENGINES`` instead, in the same form: ``gpu=apa_gpu.engine:GpuEngine``,
+several separated by commas.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 import numpy as np
 
@@ -106,15 +109,27 @@ class CpuEngine(Engine):
         return warps
 
 
+def _named() -> dict[str, EntryPoint]:
+    """The engines of other packages: their entry points, then those of ``$APA_ENGINES``."""
+    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    for item in filter(None, (s.strip() for s in os.environ.get("APA_ENGINES", "").split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or ":" not in value:
+            raise ValueError(f"APA_ENGINES: {item!r} is not name=module:Class")
+        found[name.strip()] = EntryPoint(name.strip(), value.strip(), GROUP)
+    return found
+
+
 def registered() -> tuple[str, ...]:
     """The names of the engines registered by other packages, without importing them."""
-    return tuple(sorted({ep.name for ep in entry_points(group=GROUP)} - {"auto", "cpu"}))
+    return tuple(sorted(set(_named()) - {"auto", "cpu"}))
 
 
 def load(name: str) -> type[Engine]:
     """The engine class called ``name``: "cpu" or a registered one (KeyError otherwise)."""
     if name == "cpu":
         return CpuEngine
-    for ep in entry_points(group=GROUP, name=name):
-        return ep.load()
-    raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
+    ep = _named().get(name)
+    if ep is None:
+        raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
+    return ep.load()

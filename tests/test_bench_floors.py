@@ -31,7 +31,7 @@ def test_an_edit_that_no_longer_applies_is_named(tmp_path):
     src = tmp_path / "cuda"
     shutil.copytree(ROOT / "cuda", src)
     p2 = src / "pass2.cuh"
-    p2.write_text(p2.read_text().replace("// §8.2 frame.", "// §8.2 the frame."))
+    p2.write_text(p2.read_text().replace("    float ms_lo, ms_hi;\n", "    float ms_lo, ms_hi;  // the row maxima\n"))
     with pytest.raises(SystemExit, match=r"cuda/pass2.cuh has changed: the pass2-skeleton edit no longer applies"):
         bench_floors.make_variants(src, tmp_path / "out")
 

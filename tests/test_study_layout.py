@@ -6,10 +6,13 @@ contracts in pyproject.toml, which CI runs (.ci/run)."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,3 +39,23 @@ def test_module_help_runs():
     out = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "scan" in out.stdout and "smollm2" in out.stdout
+
+
+class _Toy:
+    """Stands in for an engine class that $APA_ENGINES names (nothing here runs it)."""
+
+
+def test_apa_engines_names_engines_of_a_checkout_that_is_not_installed(monkeypatch):
+    """A copy run from PYTHONPATH (the device's) has no installed entry points: $APA_ENGINES names the
+    engines there, beside those installed; a malformed entry is one line naming it, also from the CLI."""
+    from apa_emu import engines
+    from apa_emu.study import cli
+
+    monkeypatch.setenv("APA_ENGINES", f"toy = {__name__}:_Toy")
+    assert "toy" in engines.registered() and engines.load("toy") is _Toy
+    monkeypatch.setenv("APA_ENGINES", "toy")
+    with pytest.raises(ValueError, match=r"^APA_ENGINES: 'toy' is not name=module:Class$"):
+        engines.registered()
+    proc = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "scan", "--help"], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "APA_ENGINES": "toy"})
+    assert proc.returncode == cli.EXIT_ERROR and proc.stderr == "apa: error: APA_ENGINES: 'toy' is not name=module:Class\n"

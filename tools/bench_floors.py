@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 import bench_ab  # noqa: E402
 
-_F16_OF_S = """#pragma unroll
+_F16_OF_S = """{
+#pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
                 pa[kk][0] = f16x2(s[2 * kk][0], s[2 * kk][1]);
                 pa[kk][1] = f16x2(s[2 * kk][2], s[2 * kk][3]);
@@ -49,11 +50,9 @@ _F16_OF_X = """    uint32_t pa[4][4];
 # name -> edits (file, old, new); old = (start, end) replaces start up to, not including, end.
 VARIANTS = {
     "pass1-skeleton": [
-        ("pass1.cuh", "if (wr.warp_active && t >= wr.Fw && t <= wr.Tw) {",
-         "if (false && wr.warp_active && t >= wr.Fw && t <= wr.Tw) {"),
-        ("pass1.cuh", """#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-        }
+        ("pass1.cuh", "if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)\n",
+         "if (false && wr.warp_active && t >= wr.Fw && t <= wr.Tw)\n"),
+        ("pass1.cuh", """p1_zero(pa);
         mma_turn(j + 1);""", _F16_OF_S),
     ],
     "pass1-no-rounding": [
@@ -68,7 +67,7 @@ VARIANTS = {
          "pa[gi][2 * j + 1] = hmul2(f16x2(__fmaf_rn(sj[2], cq_hi, bias_hi), __fmaf_rn(sj[3], cq_hi, bias_hi)), sc2_hi);"),
     ],
     "pass2-skeleton": [
-        ("pass2.cuh", ("    // §8.2 frame.", "    // §8.5 O = chain"), _F16_OF_X),
+        ("pass2.cuh", ("    float ms_lo, ms_hi;\n    p2_frame(", "    p2_pv(st, pa, Vs);"), _F16_OF_X),
     ],
 }
 # Each pass and the variant whose time is its floor.

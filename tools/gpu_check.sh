@@ -16,6 +16,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# The kernel is apa_emu's engine "gpu" by the package's entry point; a checkout run from PYTHONPATH,
+# not installed (as on the device), names it instead (apa_emu/engines.py).
+export APA_ENGINES="${APA_ENGINES:-gpu=apa_gpu.engine:GpuEngine}"
 OUTDIR="${OUT:-/tmp/apa_gpu_check}"
 mkdir -p "$OUTDIR"
 export APA_GPU_CACHE="${APA_GPU_CACHE:-$PWD/.gpu_build}"

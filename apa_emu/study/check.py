@@ -32,11 +32,19 @@ from .scan import _STAGES
 KERNEL = "gpu"  # the engine apa check compares with the emulator
 
 
-try:
-    _KERNEL_CLASS: type[Engine] | None = engines.load(KERNEL)
-except KeyError:  # not installed: apa check says so when it runs
-    _KERNEL_CLASS = None
-SCHEDULES = _KERNEL_CLASS.options["schedule"] if _KERNEL_CLASS else ()
+def kernel_class() -> type[Engine] | None:
+    """The engine apa check compares with the emulator; None when none is registered (apa check
+    says so when it runs)."""
+    try:
+        return engines.load(KERNEL)
+    except KeyError:
+        return None
+
+
+def kernel_schedules() -> tuple[str, ...]:
+    """The kernel's launch schedules, each of which apa check runs."""
+    cls = kernel_class()
+    return tuple(cls.options.get("schedule", ())) if cls else ()
 
 _RECORD_STAGES = {
     "visits": "pass 1 (visit records: frames, tile sums, hot votes)",
@@ -70,7 +78,8 @@ class Divergence:
 
 def require_gpu(cfg: Config, dims) -> Engine:
     """The kernel's engine, when it can run ``cfg`` at head dims ``dims`` here (else BackendError)."""
-    engine, why = (ready(_KERNEL_CLASS, [cfg], dims) if _KERNEL_CLASS else
+    cls = kernel_class()
+    engine, why = (ready(cls, [cfg], dims) if cls else
                    (None, f"no engine {KERNEL!r} is registered (pip install -e '.[gpu]')"))
     if why:
         raise BackendError(f"apa check runs the kernel: {why}")
@@ -92,12 +101,13 @@ def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, schedule, pla
     return Divergence(where, stage_of(div), describe(div), path)
 
 
-def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=SCHEDULES, workers=1,
+def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=None, workers=1,
                progress=None) -> tuple[Divergence | None, int]:
     """Kernel (under each of ``schedules``) against emulator on ``warps`` (indices within each KV
     head; None: all) of every KV head; returns the first divergence (None) and the number of warps
     compared."""
     kernel = require_gpu(cfg, [dump.hd])
+    schedules = kernel_schedules() if schedules is None else schedules
     G, R = dump.group, dump.n * dump.group
     nw = -(-R // ROWS)
     chosen = np.arange(nw) if warps is None else np.asarray(warps)
@@ -144,7 +154,7 @@ class _Found(Exception):
     pass
 
 
-def check_generated(n: int, seed: int, progress=None, schedules=SCHEDULES) -> tuple[Divergence | None, int]:
+def check_generated(n: int, seed: int, progress=None, schedules=None) -> tuple[Divergence | None, int]:
     """Kernel (under each of ``schedules``) against emulator on ``n`` problems and configs drawn by
     Hypothesis from ``seed``."""
     try:
@@ -155,6 +165,7 @@ def check_generated(n: int, seed: int, progress=None, schedules=SCHEDULES) -> tu
     except ImportError as e:
         raise ImportError(f"apa check --hypothesis needs Hypothesis ({e}); pip install -e '.[test]'") from None
     kernel = require_gpu(Config(), ())
+    schedules = kernel_schedules() if schedules is None else schedules
 
     found: list[Divergence] = []
     done = [0]

@@ -85,6 +85,9 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help, or a usage error already reported in one line
         return int(done.code or 0)
+    except ValueError as exc:  # the options' choices could not be formed (a bad $APA_ENGINES)
+        print(f"apa: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     previous = CTRL_C.arm()
     try:
         if "workers" in args:

@@ -22,7 +22,11 @@ from ..engines import CpuEngine, Engine
 from ..geometry import ROWS, TILE, cdiv
 from . import fp64
 
-BACKENDS = ("auto", "cpu", *engines.registered())
+
+
+def backends() -> tuple[str, ...]:
+    """What ``--backend`` takes: "auto", "cpu" and the engines registered now."""
+    return ("auto", "cpu", *engines.registered())
 
 
 class BackendError(ValueError):
@@ -77,8 +81,8 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
     saying why). An Engine passes through."""
     if isinstance(backend, Engine):
         return backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend not in (names := backends()):
+        raise ValueError(f"backend {backend!r}: expected one of {', '.join(names)}")
     if backend == "cpu":
         if devices:
             raise ValueError("--devices chooses GPUs: it needs the GPU backend, not --backend cpu")

@@ -7,7 +7,7 @@ import numpy as np
 
 from ...config import Config
 from ...engines import CpuEngine
-from ..check import SCHEDULES, check_dump, check_generated, require_gpu
+from ..check import check_dump, check_generated, kernel_schedules, require_gpu
 from ..dump import read_dump
 from ..report import say
 from . import common
@@ -30,14 +30,14 @@ def add_arguments(p) -> None:
     p.add_argument("--hypothesis", type=common.count, metavar="N",
                    help="check N problems and configs drawn by Hypothesis (apa_emu/strategies.py) instead of dumps")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
-    p.add_argument("--schedule", choices=[*SCHEDULES, "all"], default="all",
+    p.add_argument("--schedule", choices=[*kernel_schedules(), "all"], default="all",
                    help="kernel launch schedule: one launch per stage (separate), one persistent launch for both "
                         "passes (fused), pass 1 one segment of tiles at a time (bounded, numerics.md §6.7), or all")
     p.add_argument("--workers", type=common.count, default=1, metavar="N", help="emulator processes over the warps")
 
 
 def _schedules(args) -> tuple[str, ...]:
-    return SCHEDULES if args.schedule == "all" else (args.schedule,)
+    return kernel_schedules() if args.schedule == "all" else (args.schedule,)
 
 
 def run(args) -> int:

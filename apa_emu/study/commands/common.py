@@ -21,7 +21,7 @@ import numpy as np
 
 from ...config import CHOICES, Config
 from ..dump import builtin_dump_path, read_dump
-from ..engine import BACKENDS, select_engine
+from ..engine import backends, select_engine
 from ..report import progress_bar, say
 from ..scan import Job, Pairs
 
@@ -65,7 +65,7 @@ def study_options(p, many=True) -> None:
         p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                    "(keys below)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=backends(), default="auto",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line. Both give the same numbers")
