@@ -28,7 +28,7 @@ def _weight(sum_, m, big, soft: bool):
 
 def merge_weights(m1, l1, m2, l2, soft: bool):
     """§9.1–9.3 for arrays of rows: M, w1, w2 and the denominator (w1 ⊗ l1) ⊕ (w2 ⊗ l2)."""
-    big = np.maximum(m1, m2)  # §9.1
+    big = np.maximum(np.where(l1 > 0, m1, -np.inf), np.where(l2 > 0, m2, -np.inf)).astype(F32)  # §9.1
     w1, w2 = _weight(l1, m1, big, soft), _weight(l2, m2, big, soft)  # §9.2
     return big, w1, w2, w1 * l1 + w2 * l2
 

@@ -129,3 +129,27 @@ def configs(draw):
         direct_store=draw(st.booleans()),
     )
 
+
+
+FP16_SAFE = 65504.0  # §8.7: pass 2's FP16 scores cannot overflow while ‖q‖·‖k‖ stays below it
+
+
+@st.composite
+def large_logits(draw, dims=(64, 128)):
+    """(q, k, v, q_offset, config) with logits far past the usual: q and k scaled up to 30× and a
+    softmax scale up to 10³, under ε that makes every tile hot, every tile cold, or some of each, so
+    that pass 1's FP4 frame lands far above or below pass 2's exact one (§9.1). Only problems inside
+    §8.7's range (max ‖q‖ · max ‖k‖ < 65504) are drawn."""
+    d = draw(st.sampled_from(dims))
+    n = draw(st.integers(1, 40))
+    S = n + draw(st.integers(0, 1200))
+    q, k, v = make_inputs(draw(st.integers(0, 2**32 - 1)), 1, n, 1, draw(st.sampled_from([1, 2])), d, S,
+                          draw(st.sampled_from(["normal", "sink", "diffuse"])), batched=False)
+    gain = draw(st.sampled_from([1.0, 2.0, 4.0, 12.0, 30.0]))
+    q, k = ((x.astype(np.float64) * gain).clip(-65504, 65504).astype(np.float16) for x in (q, k))
+    norm = lambda x: float(np.linalg.norm(x.astype(np.float64), axis=-1).max())  # noqa: E731
+    if norm(q) * norm(k) >= FP16_SAFE:
+        q = (q.astype(np.float64) * (FP16_SAFE / 2 / (norm(q) * norm(k)))).astype(np.float16)
+    cfg = Config(eps=draw(st.sampled_from([0.005, 0.02, 1e-4, 0.0, -1.0, 1e9])),
+                 scale=draw(st.sampled_from([None, None, 1.0, 10.0, 100.0, 1000.0])))
+    return q, k, v, S - n, cfg

@@ -14,7 +14,7 @@ struct MergeWeights {
 // §9.1–9.3: the weights of pass 1's (m1, l1) and pass 2's (m2, l2), their denominator (which the
 // certificate reads) and the inverse of the output's, fused under config fma (§1.8).
 __device__ __forceinline__ MergeWeights merge_weights(float m1, float l1, float m2, float l2, bool fused) {
-    const float M = fmaxf(m1, m2);                                   // §9.1
+    const float M = fmaxf(l1 > 0.0f ? m1 : neg_inf(), l2 > 0.0f ? m2 : neg_inf());  // §9.1: states with mass
     const float w1 = (l1 > 0.0f) ? exp2x(fsub(m1, M)) : 0.0f;         // §9.2
     const float w2 = (l2 > 0.0f) ? exp2x(fsub(m2, M)) : 0.0f;
     const float den = fadd(fmul(w1, l1), fmul(w2, l2));             // §9.3

@@ -26,7 +26,7 @@ import apa_gpu
 from apa_gpu import device
 from apa_gpu.build import SUPPORTED_D
 from apa_emu.compare import canon_nan, describe, first_divergence, save_reproducer
-from apa_emu.strategies import STRUCTURES, configs, make_inputs, paginate, problems
+from apa_emu.strategies import STRUCTURES, configs, large_logits, make_inputs, paginate, problems
 from apa_gpu.strategies import schedules
 from hyp import Seen
 
@@ -67,6 +67,17 @@ def test_kernel_matches_emulator(problem, cfg):
     q, k, v = make_inputs(**shape)
     check_bitwise(q, k, v, q_offset, cfg)
 
+
+
+@SETTINGS
+@given(large_logits())
+def test_large_logits_match_emulator_and_stay_finite(problem):
+    """numerics.md §9.1 on the kernel: where the float64 reference is finite inside §8.7's range, the
+    output is finite (a massless pass-1 frame no longer sets the merge's), bitwise the emulator's."""
+    q, k, v, q_offset, cfg = problem
+    _, gpu = check_bitwise(q, k, v, q_offset, cfg)
+    finite = np.isfinite(apa_emu.reference(q, k, v, q_offset, cfg)).all(axis=-1)
+    assert np.isfinite(gpu.out[finite]).all()
 
 
 def test_seed_preset_matches_emulator():

@@ -305,13 +305,18 @@ _STAGES = (
 
 
 def overflow_stage(rec) -> str | None:
-    """Which stage of a traced row (a ``trace.row_dtype`` record) first went non-finite, and how."""
+    """Which stage of a traced row (a ``trace.row_dtype`` record) first went non-finite, and how. A
+    NaN output from finite pass states is the merge's 0 ⊘ 0 when neither pass holds mass (§9.1-9.3;
+    pass 1's direct store of §9.5 with lc = 0 is the other way there), not an overflow."""
     for stage, fields in _STAGES:
         for name in fields:
             x = np.asarray(rec[name], dtype=np.float64)
             bad = np.isnan(x) | (x == np.inf) if name.startswith("m") else ~np.isfinite(x)
-            if bad.any():
-                return f"{stage} overflowed: {name} holds {'NaN' if np.isnan(x[bad]).any() else 'Inf'}"
+            if not bad.any():
+                continue
+            if name == "out" and np.isnan(x[bad]).all() and not (rec["l1"] > 0 or rec["l2"] > 0):
+                return f"{stage}: 0/0, neither pass holds mass for the row (l1 = l2 = 0): out holds NaN"
+            return f"{stage} overflowed: {name} holds {'NaN' if np.isnan(x[bad]).any() else 'Inf'}"
     return None
 
 
