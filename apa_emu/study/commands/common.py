@@ -114,16 +114,21 @@ def study_epilog(notes: str = "") -> str:
 
 
 def parse_list(text: str | None, what: str):
-    """'0:64', '3,5,9' or '7' -> an index array (None if not given)."""
+    """'0:64', '3,5,9' or '7' -> an index array (None if not given). A repeated index is refused: the
+    studies would count its pairs once per repeat in the pooled statistics."""
     if text is None:
         return None
     try:
         if ":" in text:
             a, b = text.split(":", 1)
             return np.arange(int(a), int(b))
-        return np.array([int(x) for x in text.split(",") if x.strip()])
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{what} {text!r}: expected A:B, a comma list or one integer") from None
+    repeated = next((x for i, x in enumerate(values) if x in values[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{what} {text!r}: {repeated} is repeated (give each index once)")
+    return np.array(values)
 
 
 def load(args):
