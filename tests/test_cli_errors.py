@@ -86,6 +86,27 @@ def test_bad_arguments_are_one_line(capsys, argv, message):
     assert message in one_line_error(capsys, argv)
 
 
+@pytest.mark.parametrize("size", [["--kv", "2000000000"], ["--heads", "2000000000", "--kv-heads", "1"],
+                                  ["--n", "16", "--kv", "2147483648"]])
+def test_synth_refuses_absurd_sizes_before_allocating(capsys, tmp_path, monkeypatch, size):
+    from apa_emu.study.commands import synth
+
+    monkeypatch.setattr(synth, "synthetic", lambda *a, **k: pytest.fail("synthetic ran: it would allocate"))
+    out = tmp_path / "abs.apadump"
+    err = one_line_error(capsys, ["synth", str(out), "--n", "16", *size])
+    assert re.match(r"apa: error: out of memory: apa synth: .* needs about [0-9.]+ GiB; [0-9.]+ GiB of memory "
+                    r"is available$", err.strip()) and not out.exists()
+
+
+def test_memory_error_is_one_line(capsys, dumps, monkeypatch):
+    """The engine's up-front MemoryError (a prep that cannot fit) is one line and exit 2."""
+    import apa_emu.api as api
+
+    monkeypatch.setattr(api, "available_bytes", lambda: 2**10)
+    err = one_line_error(capsys, ["scan", dumps["good"], "--backend", "cpu", "--rows", "0:1"])
+    assert err.startswith("apa: error: out of memory: apa_emu: prep of one KV head of ")
+
+
 def test_special_paths_are_refused(capsys, dumps, tmp_path):
     fifo = tmp_path / "fifo.apadump"
     os.mkfifo(fifo)
