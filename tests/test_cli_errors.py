@@ -107,6 +107,18 @@ def test_memory_error_is_one_line(capsys, dumps, monkeypatch):
     assert err.startswith("apa: error: out of memory: apa_emu: prep of one KV head of ")
 
 
+@pytest.mark.parametrize("command", [["scan"], ["sweep", "--plot", ""]])
+def test_dumps_of_different_head_dims_are_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command):
+    from apa_emu.study.commands import common
+
+    d = synthetic(16, 64, 2, 1, 128, seed=1)
+    wide = str(write_dump(tmp_path / "wide.apadump", d.q, d.k, d.v, d.q_offset))
+    monkeypatch.setattr(common, "engine", lambda *a: pytest.fail("an engine was chosen: work began"))
+    err = one_line_error(capsys, [*command, dumps["good"], wide, "--backend", "cpu"])
+    assert err == (f"apa: error: {dumps['good']} has head dim 64 and {wide} has 128: apa {command[0]} pools "
+                   f"their pairs, which needs dumps of one head dim (run them separately)\n")
+
+
 def test_special_paths_are_refused(capsys, dumps, tmp_path):
     fifo = tmp_path / "fifo.apadump"
     os.mkfifo(fifo)

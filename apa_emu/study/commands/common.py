@@ -231,10 +231,22 @@ def progress(enabled: bool, label: str, *wait: str):
         yield CTRL_C.watch(bar)
 
 
-def run_study(args, compute):
+def _one_head_dim(jobs, command: str) -> None:
+    """A pooled row concatenates the outputs of every dump: refuse a mix of head dims up front,
+    before any work, rather than in NumPy's words after all of it."""
+    first = jobs[0].dump
+    for job in jobs[1:]:
+        if job.dump.hd != first.hd:
+            raise ValueError(f"{first.path} has head dim {first.hd} and {job.dump.path} has {job.dump.hd}: "
+                             f"apa {command} pools their pairs, which needs dumps of one head dim (run them separately)")
+
+
+def run_study(args, compute, *, pooled: bool = False):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
-    progress bar."""
+    progress bar. ``pooled``: the command pools the pairs of all dumps, which needs one head dim."""
     jobs = _jobs(args)
+    if pooled:
+        _one_head_dim(jobs, args.command)
     cfg = config(args)
     chosen = engine(args, cfg, [job.dump.hd for job in jobs])
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
