@@ -119,6 +119,28 @@ def test_dumps_of_different_head_dims_are_refused_before_any_work(capsys, dumps,
                    f"their pairs, which needs dumps of one head dim (run them separately)\n")
 
 
+@pytest.mark.parametrize("command", [["pair", "--row", "0", "--head", "0"], ["sweep", "--eps", "0.01"],
+                                     ["attribute", "--worst", "1", "--no-seed"]])
+@pytest.mark.parametrize("alias", ["same", "hardlink", "relative"])
+def test_an_output_that_is_an_input_is_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command,
+                                                               alias):
+    """``apa pair X --plot X`` replaced the dump with a PNG: refused in one line, the dump untouched,
+    whatever name the output gives the input."""
+    from apa_emu.study.commands import common
+
+    victim = tmp_path / "victim.apadump"
+    victim.write_bytes(Path(dumps["good"]).read_bytes())
+    before = victim.read_bytes()
+    plot = dict(same=str(victim), hardlink=str(tmp_path / "other.png"),
+                relative=os.path.relpath(victim))[alias]
+    if alias == "hardlink":
+        os.link(victim, plot)
+    monkeypatch.setattr(common, "engine", lambda *a: pytest.fail("an engine was chosen: work began"))
+    err = one_line_error(capsys, [command[0], str(victim), *command[1:], "--backend", "cpu", "--plot", plot])
+    assert err == f"apa: error: --plot {plot}: is also an input of this command ({victim}); refusing to overwrite it\n"
+    assert victim.read_bytes() == before
+
+
 def test_special_paths_are_refused(capsys, dumps, tmp_path):
     fifo = tmp_path / "fifo.apadump"
     os.mkfifo(fifo)

@@ -133,6 +133,7 @@ def parse_list(text: str | None, what: str):
 
 def load(args):
     path = Path(args.dump) if args.dump else builtin_dump_path()
+    check_outputs(args, [path])
     return read_dump(path), path
 
 
@@ -151,6 +152,30 @@ def dump_paths(args) -> list[Path]:
         else:
             paths.append(path)
     return paths
+
+
+# The options that name a file a command writes (a PNG, a dump).
+OUTPUT_OPTIONS = ("plot", "out")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # both exist: a link or a second name is the same file too
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_outputs(args, inputs) -> None:
+    """No file a command writes may be one it reads (``apa pair X --plot X`` replaced the dump with
+    a PNG): refused before any work, nothing written."""
+    for option in OUTPUT_OPTIONS:
+        text = getattr(args, option, None)
+        if not text:
+            continue
+        for path in inputs:
+            if _same_file(Path(text), Path(path)):
+                raise ValueError(f"--{option} {text}: is also an input of this command ({path}); "
+                                 f"refusing to overwrite it")
 
 
 def _pairs(args, dump):
@@ -244,6 +269,7 @@ def _one_head_dim(jobs, command: str) -> None:
 def run_study(args, compute, *, pooled: bool = False):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
     progress bar. ``pooled``: the command pools the pairs of all dumps, which needs one head dim."""
+    check_outputs(args, dump_paths(args))
     jobs = _jobs(args)
     if pooled:
         _one_head_dim(jobs, args.command)
