@@ -13,7 +13,7 @@ import numpy as np
 
 from . import trace as tr
 from . import kvstate, varlen
-from .call import Call, Result, logical_kv, resolve_call
+from .call import Call, Result, logical_kv, resolve_call, resolve_config
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
@@ -31,7 +31,9 @@ def _check_count(name: str, value) -> int:
     return int(value)
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none): what a call, or ``apa synth``, may
+    allocate without swapping or meeting the OOM killer."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -44,7 +46,7 @@ def _available_bytes() -> int | None:
 
 def _check_memory(shape: Shape) -> None:
     """Refuse up front, naming the need, a call whose prep of one KV head cannot fit in memory."""
-    need, have = prep_bytes(shape.S, shape.d), _available_bytes()
+    need, have = prep_bytes(shape.S, shape.d), available_bytes()
     if have is not None and need > have:
         raise MemoryError(f"apa_emu: prep of one KV head of {shape.S} keys (d = {shape.d}) needs about "
                           f"{need / 2**30:.1f} GiB; {have / 2**30:.1f} GiB of memory is available")
@@ -235,7 +237,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace,
                         warps=warps)
-    return run(call, config or Config(), workers=workers, progress=progress)
+    return run(call, resolve_config(config), workers=workers, progress=progress)
 
 
 def run(call: Call, cfg: Config, *, workers: int = 1, progress=None) -> Result:

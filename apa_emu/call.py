@@ -31,7 +31,7 @@ from .prep import KV_STATS, slot_keys
 from .varlen import Seqs
 
 __all__ = [
-    "Call", "resolve_call", "logical_kv", "validate", "Result",
+    "Call", "resolve_call", "resolve_config", "logical_kv", "validate", "Result",
     "Config", "Shape", "HEAD_DIMS", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys",
     "kvstate", "KVState", "Stats", "Seqs", "trace",
 ]
@@ -176,23 +176,29 @@ def _check_dims(qb, kb, vb, q_shape, k_shape, v_shape) -> None:
 def _check_offset(q_offset, n: int) -> None:
     if isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
         raise ValueError(f"q_offset: expected an integer, got {q_offset!r}")
+    q_offset = int(q_offset)  # a Python int: NumPy fixed-width arithmetic would wrap around
     if q_offset < 0:
         raise ValueError(f"q_offset: {q_offset} leaves query row 0 with no key (it must be >= 0)")
     if int(q_offset) + n - 1 > MAX_POSITION:
         raise ValueError(f"q_offset: {q_offset} puts query positions past {MAX_POSITION} (int32 positions)")
 
 
+def resolve_config(config) -> Config:
+    """``config=``: None (the default Config) or a Config. Checked here, once for every engine, so that
+    a string or a dict is one ValueError rather than an AttributeError deep in an engine."""
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise ValueError(f"config: expected an apa_emu Config or None, got {type(config).__name__} {config!r} "
+                         f"(e.g. Config(eps=0.1))")
+    return config
+
+
 def check_triples(name: str, triples, shape: Shape) -> None:
     """``warps=``/``trace=``: every (b, hk, warp) must exist, or its rows would silently stay NaN."""
     if triples is None:
         return
-    try:
-        triples = [tuple(int(x) for x in t) for t in triples]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected an iterable of (b, hk, warp) integer triples") from None
-    for t in triples:
-        if len(t) != 3:
-            raise ValueError(f"{name}: {t} is not a (b, hk, warp) triple")
+    for t in tr.integer_triples(name, triples):
         if not (0 <= t[0] < shape.B and 0 <= t[1] < shape.Hkv and 0 <= t[2] < shape.nw):
             raise ValueError(f"{name}: warp {t} does not exist (b < {shape.B}, hk < {shape.Hkv}, "
                              f"warp < {shape.nw})")
@@ -204,13 +210,15 @@ def check_window(window, n: int, S: int, q_offset: int) -> int | None:
         return None
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
         raise ValueError(f"window: expected a positive integer (keys per row) or None, got {window!r}")
+    # a Python int: a NumPy unsigned window would wrap around in the subtraction below
+    window, q_offset = int(window), int(q_offset)
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1 (the keys a row sees, its own position included)")
     last = q_offset + n - 1
     if last - window + 1 > S - 1:
         raise ValueError(f"window={window}: query row {n - 1} (position {last}) would see no key: its window "
                          f"starts at key {last - window + 1}, past the last key {S - 1}")
-    return int(window)
+    return window
 
 
 def check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps=None) -> None:
@@ -298,7 +306,7 @@ def _with_warps(call: Call, trace, warps, **fields) -> Call:
     want = tr.TraceRequest.of(trace)
     for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
         check_triples(name, triples, call.shape)
-    chosen = None if warps is None else frozenset(tuple(int(x) for x in t) for t in warps)
+    chosen = None if warps is None else frozenset(tr.integer_triples("warps", warps))
     return replace(call, want=want, warps=chosen, **fields)
 
 

@@ -86,10 +86,36 @@ class TraceRequest:
             return cls(None)
         if isinstance(spec, TraceRequest):
             return spec
-        triples = frozenset(tuple(int(x) for x in t) for t in spec)
-        if any(len(t) != 3 for t in triples):
-            raise ValueError("trace: expected 'all' or an iterable of (b, hk, warp) triples")
-        return cls(triples)
+        return cls(frozenset(integer_triples("trace", spec)))
+
+
+def _integer(name: str, x) -> int:
+    """An integer entry as a Python int. Any other number (1.7, np.float64(1)) is refused, never
+    truncated: int(1.7) would silently trace warp 1. As q_offset, a warp number is an integer type."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return int(x)
+    raise ValueError(f"{name}: {x!r} is not an integer (expected (b, hk, warp) integer triples)")
+
+
+def integer_triples(name: str, spec) -> list[tuple[int, int, int]]:
+    """``trace=``/``warps=`` as a list of (b, hk, warp) Python ints; anything else is a ValueError
+    naming ``name``: a non-iterable (trace=5), an entry not of three, or a non-integer number."""
+    if isinstance(spec, (str, bytes)):
+        raise ValueError(f"{name}: expected 'all' or an iterable of (b, hk, warp) triples, got {spec!r}")
+    try:
+        entries = list(spec)
+    except TypeError:
+        raise ValueError(f"{name}: expected 'all' or an iterable of (b, hk, warp) triples, got {spec!r}") from None
+    triples = []
+    for t in entries:
+        try:
+            t = tuple(t)
+        except TypeError:
+            raise ValueError(f"{name}: {t!r} is not a (b, hk, warp) triple") from None
+        if len(t) != 3:
+            raise ValueError(f"{name}: {t!r} is not a (b, hk, warp) triple")
+        triples.append(tuple(_integer(name, x) for x in t))
+    return triples
 
 
 _CANON = {np.dtype(np.float16): np.uint16(0x7FFF), np.dtype(np.float32): np.uint32(0x7FFFFFFF)}

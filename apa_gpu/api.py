@@ -7,7 +7,8 @@ import os
 
 import numpy as np
 
-from apa_emu.call import KV_STATS, TILE, Call, Config, KVState, Result, Shape, cdiv, kvstate, resolve_call, slot_keys
+from apa_emu.call import (KV_STATS, TILE, Call, Config, KVState, Result, Shape, cdiv, kvstate, resolve_call,
+                          resolve_config, slot_keys)
 
 from . import device
 from .plan import KVImages, Plan, check_config
@@ -44,7 +45,7 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     """
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace)
-    return run(call, config or Config(), schedule=schedule, segment_tiles=segment_tiles)
+    return run(call, resolve_config(config), schedule=schedule, segment_tiles=segment_tiles)
 
 
 def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: int | None = None) -> Result:
@@ -116,7 +117,7 @@ def prep_arrays(q, k, v, q_offset: int = 0, config: Config | None = None) -> dic
     """Prep outputs (numerics.md §5) as NumPy arrays, laid out like apa_emu.prep.Prepared, for
     localising a mismatch: kmean [B,Hkv,d], kg, vg [B,Hkv], qhat [B,Hkv,R,d], cq, sh [B,Hkv,R],
     khat [B,Hkv,T*64,d] (key order), vhat_t [B,Hkv,T,d,64] (slot order), all float32."""
-    cfg = config or Config()
+    cfg = resolve_config(config)
     call = resolve_call(q, k, v, q_offset)
     s = call.shape
     Plan.check(s, cfg)

@@ -401,10 +401,10 @@ def test_prep_too_large_for_memory_is_refused_up_front(monkeypatch):
     import apa_emu.api as api
 
     dump = synthetic(16, 4096, 1, 1, 64, seed=3)
-    monkeypatch.setattr(api, "_available_bytes", lambda: 2**20)
+    monkeypatch.setattr(api, "available_bytes", lambda: 2**20)
     with pytest.raises(MemoryError, match=r"4096 keys \(d = 64\) needs about 0\.0 GiB; 0\.0 GiB"):
         attention(dump.q, dump.k, dump.v, dump.q_offset)
-    monkeypatch.setattr(api, "_available_bytes", lambda: 2**40)
+    monkeypatch.setattr(api, "available_bytes", lambda: 2**40)
     assert attention(dump.q, dump.k, dump.v, dump.q_offset).out.shape == dump.q.shape
 
 

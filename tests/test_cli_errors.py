@@ -65,6 +65,9 @@ def dumps(tmp_path_factory):
     (["scan", "--rows", ","], "--rows selects no query rows"),
     (["scan", "--rows", "5:2"], "--rows selects no query rows"),
     (["scan", "--heads", "3:1"], "--heads selects no heads"),
+    (["scan", "--rows", "1,1,1"], "--rows '1,1,1': 1 is repeated (give each index once)"),
+    (["scan", "--heads", "2,0,2"], "--heads '2,0,2': 2 is repeated (give each index once)"),
+    (["worst", "--rows", "0,3,3"], "--rows '0,3,3': 3 is repeated"),
     (["worst", "-n", "-5"], "argument -n: must be at least 1, got -5"),
     (["attribute", "--worst", "-1"], "argument --worst: must be at least 1"),
     (["attribute", "--worst", "0"], "argument --worst: must be at least 1"),
@@ -81,6 +84,61 @@ def dumps(tmp_path_factory):
 ])
 def test_bad_arguments_are_one_line(capsys, argv, message):
     assert message in one_line_error(capsys, argv)
+
+
+@pytest.mark.parametrize("size", [["--kv", "2000000000"], ["--heads", "2000000000", "--kv-heads", "1"],
+                                  ["--n", "16", "--kv", "2147483648"]])
+def test_synth_refuses_absurd_sizes_before_allocating(capsys, tmp_path, monkeypatch, size):
+    from apa_emu.study.commands import synth
+
+    monkeypatch.setattr(synth, "synthetic", lambda *a, **k: pytest.fail("synthetic ran: it would allocate"))
+    out = tmp_path / "abs.apadump"
+    err = one_line_error(capsys, ["synth", str(out), "--n", "16", *size])
+    assert re.match(r"apa: error: out of memory: apa synth: .* needs about [0-9.]+ GiB; [0-9.]+ GiB of memory "
+                    r"is available$", err.strip()) and not out.exists()
+
+
+def test_memory_error_is_one_line(capsys, dumps, monkeypatch):
+    """The engine's up-front MemoryError (a prep that cannot fit) is one line and exit 2."""
+    import apa_emu.api as api
+
+    monkeypatch.setattr(api, "available_bytes", lambda: 2**10)
+    err = one_line_error(capsys, ["scan", dumps["good"], "--backend", "cpu", "--rows", "0:1"])
+    assert err.startswith("apa: error: out of memory: apa_emu: prep of one KV head of ")
+
+
+@pytest.mark.parametrize("command", [["scan"], ["sweep", "--plot", ""]])
+def test_dumps_of_different_head_dims_are_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command):
+    from apa_emu.study.commands import common
+
+    d = synthetic(16, 64, 2, 1, 128, seed=1)
+    wide = str(write_dump(tmp_path / "wide.apadump", d.q, d.k, d.v, d.q_offset))
+    monkeypatch.setattr(common, "engine", lambda *a: pytest.fail("an engine was chosen: work began"))
+    err = one_line_error(capsys, [*command, dumps["good"], wide, "--backend", "cpu"])
+    assert err == (f"apa: error: {dumps['good']} has head dim 64 and {wide} has 128: apa {command[0]} pools "
+                   f"their pairs, which needs dumps of one head dim (run them separately)\n")
+
+
+@pytest.mark.parametrize("command", [["pair", "--row", "0", "--head", "0"], ["sweep", "--eps", "0.01"],
+                                     ["attribute", "--worst", "1", "--no-seed"]])
+@pytest.mark.parametrize("alias", ["same", "hardlink", "relative"])
+def test_an_output_that_is_an_input_is_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command,
+                                                               alias):
+    """``apa pair X --plot X`` replaced the dump with a PNG: refused in one line, the dump untouched,
+    whatever name the output gives the input."""
+    from apa_emu.study.commands import common
+
+    victim = tmp_path / "victim.apadump"
+    victim.write_bytes(Path(dumps["good"]).read_bytes())
+    before = victim.read_bytes()
+    plot = dict(same=str(victim), hardlink=str(tmp_path / "other.png"),
+                relative=os.path.relpath(victim))[alias]
+    if alias == "hardlink":
+        os.link(victim, plot)
+    monkeypatch.setattr(common, "engine", lambda *a: pytest.fail("an engine was chosen: work began"))
+    err = one_line_error(capsys, [command[0], str(victim), *command[1:], "--backend", "cpu", "--plot", plot])
+    assert err == f"apa: error: --plot {plot}: is also an input of this command ({victim}); refusing to overwrite it\n"
+    assert victim.read_bytes() == before
 
 
 def test_special_paths_are_refused(capsys, dumps, tmp_path):

@@ -103,6 +103,9 @@ def main(argv=None) -> int:
         _detach_stdout()
         print(f"apa: error: cannot write the output: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except MemoryError as exc:  # a size refused up front, or an allocation NumPy could not make
+        print(f"apa: error: out of memory: {_one_line(exc) or 'an allocation failed'}", file=sys.stderr)
+        return EXIT_ERROR
     except (ValueError, OSError, ImportError, OverflowError) as exc:
         print(f"apa: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR

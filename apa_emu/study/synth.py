@@ -88,6 +88,12 @@ def synthetic(
     return Dump(_queries(heads, n, q_offset, diffuse), k, v, q_offset)
 
 
+def synthetic_bytes(n: int, kv: int, nh: int, nkv: int, hd: int) -> int:
+    """About the peak memory of ``synthetic``: q, k and v in FP16, the float64 key rotation tables
+    and the float64 draws of one head (a few arrays of max(n, kv) × hd), and the head permutation."""
+    return 2 * (n * nh * hd + 2 * kv * nkv * hd) + 8 * kv * hd + 3 * 8 * max(n, kv) * hd + 8 * nh
+
+
 def _check_shape(n, kv, nh, nkv, hd, seed) -> None:
     for name, value in (("n", n), ("kv", kv), ("nh", nh), ("nkv", nkv), ("hd", hd), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

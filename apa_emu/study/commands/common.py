@@ -114,20 +114,26 @@ def study_epilog(notes: str = "") -> str:
 
 
 def parse_list(text: str | None, what: str):
-    """'0:64', '3,5,9' or '7' -> an index array (None if not given)."""
+    """'0:64', '3,5,9' or '7' -> an index array (None if not given). A repeated index is refused: the
+    studies would count its pairs once per repeat in the pooled statistics."""
     if text is None:
         return None
     try:
         if ":" in text:
             a, b = text.split(":", 1)
             return np.arange(int(a), int(b))
-        return np.array([int(x) for x in text.split(",") if x.strip()])
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{what} {text!r}: expected A:B, a comma list or one integer") from None
+    repeated = next((x for i, x in enumerate(values) if x in values[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{what} {text!r}: {repeated} is repeated (give each index once)")
+    return np.array(values)
 
 
 def load(args):
     path = Path(args.dump) if args.dump else builtin_dump_path()
+    check_outputs(args, [path])
     return read_dump(path), path
 
 
@@ -146,6 +152,30 @@ def dump_paths(args) -> list[Path]:
         else:
             paths.append(path)
     return paths
+
+
+# The options that name a file a command writes (a PNG, a dump).
+OUTPUT_OPTIONS = ("plot", "out")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # both exist: a link or a second name is the same file too
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_outputs(args, inputs) -> None:
+    """No file a command writes may be one it reads (``apa pair X --plot X`` replaced the dump with
+    a PNG): refused before any work, nothing written."""
+    for option in OUTPUT_OPTIONS:
+        text = getattr(args, option, None)
+        if not text:
+            continue
+        for path in inputs:
+            if _same_file(Path(text), Path(path)):
+                raise ValueError(f"--{option} {text}: is also an input of this command ({path}); "
+                                 f"refusing to overwrite it")
 
 
 def _pairs(args, dump):
@@ -226,10 +256,23 @@ def progress(enabled: bool, label: str, *wait: str):
         yield CTRL_C.watch(bar)
 
 
-def run_study(args, compute):
+def _one_head_dim(jobs, command: str) -> None:
+    """A pooled row concatenates the outputs of every dump: refuse a mix of head dims up front,
+    before any work, rather than in NumPy's words after all of it."""
+    first = jobs[0].dump
+    for job in jobs[1:]:
+        if job.dump.hd != first.hd:
+            raise ValueError(f"{first.path} has head dim {first.hd} and {job.dump.path} has {job.dump.hd}: "
+                             f"apa {command} pools their pairs, which needs dumps of one head dim (run them separately)")
+
+
+def run_study(args, compute, *, pooled: bool = False):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
-    progress bar."""
+    progress bar. ``pooled``: the command pools the pairs of all dumps, which needs one head dim."""
+    check_outputs(args, dump_paths(args))
     jobs = _jobs(args)
+    if pooled:
+        _one_head_dim(jobs, args.command)
     cfg = config(args)
     chosen = engine(args, cfg, [job.dump.hd for job in jobs])
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> None:
-    jobs, cfg, engine, scans = common.run_study(args, scan_jobs)
+    jobs, cfg, engine, scans = common.run_study(args, scan_jobs, pooled=True)
     title = f"{common.named(jobs, 'apa scan')} (eps={cfg.eps}, {engine.name})"
     if len(jobs) > 1:
         _pooled(args, jobs, cfg, engine, scans, title)

@@ -90,7 +90,7 @@ def run(args) -> None:
     for eps in args.eps:
         Config(eps=eps)  # each ε is checked up front, before any run
     jobs, cfg, engine, (per_dump, pooled) = common.run_study(args, lambda jobs, cfg, engine, progress: sweep_jobs(
-        jobs, cfg, args.eps, engine, progress=progress))
+        jobs, cfg, args.eps, engine, progress=progress), pooled=True)
     many = len(jobs) > 1
     series = {job.name: rows for job, rows in zip(jobs, per_dump)} | ({"pooled": pooled} if many else {})
     png = plot_sweep(series, args.plot, common.what(jobs)) if args.plot else None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ... import api
 from ..dump import HEAD_DIMS, write_dump
 from ..report import say
-from ..synth import synthetic
+from ..synth import synthetic, synthetic_bytes
 from . import common
 
 HELP = "write a synthetic dump"
@@ -21,6 +22,17 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
 
 
+def _check_memory(args) -> None:
+    """Refuse, before allocating anything, a dump whose making cannot fit in memory: NumPy would fail
+    after minutes of allocation and filling, or the OOM killer end the process."""
+    need, have = synthetic_bytes(args.n, args.kv, args.heads, args.kv_heads, args.d), api.available_bytes()
+    if have is not None and need > have:
+        raise MemoryError(f"apa synth: --n {args.n} --kv {args.kv} --heads {args.heads} --kv-heads {args.kv_heads} "
+                          f"--d {args.d} needs about {need / 2**30:.1f} GiB; {have / 2**30:.1f} GiB of memory "
+                          f"is available")
+
+
 def run(args) -> None:
+    _check_memory(args)
     d = synthetic(args.n, args.kv, args.heads, args.kv_heads, args.d, seed=args.seed)
     say(str(write_dump(args.out, d.q, d.k, d.v, d.q_offset)))
