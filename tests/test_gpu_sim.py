@@ -198,6 +198,11 @@ SCRIPT = textwrap.dedent(
     # segments, where every warp has one (its first tile), set by an earlier launch than the export's.
     run(77, 24, 2, 1, 260, 64, 236, Config(eps=1e9, direct_store=True), sink=True)
     run(78, 70, 3, 1, 700, 64, 640, Config(eps=0.3, direct_store=True), sink=True, schedule="bounded", segment=3)
+    # §9.1: rows whose pass 1 holds no mass (every visited tile hot) while its FP4 frame sits far above
+    # pass 2's exact maximum (fuzz-2026-12 S1: q and k x20); such a frame must not set the merge's.
+    q, k, v = make_inputs(79, 1, 64, 1, 2, 64, 128, "normal", batched=False)
+    q, k = ((x.astype(np.float32) * 20).astype(np.float16) for x in (q, k))
+    run(79, 64, 2, 1, 128, 64, 64, Config(), inputs=(q, k, v))
     """
 )
 

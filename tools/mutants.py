@@ -184,6 +184,11 @@ MUTANTS = [
            ("tests/test_seed_preset.py",)),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
+    Mutant("M33", "merge frame: a massless pass-1 state sets M (the seed's max(m1, m2))", "apa_emu/merge.py",
+           "np.maximum(np.where(l1 > 0, m1, -np.inf), np.where(l2 > 0, m2, -np.inf))", "np.maximum(m1, m2)",
+           ("tests/test_merge_frame.py",)),
+    Mutant("K31", "kernel merge frame: a massless pass-1 state sets M", "cuda/merge.cuh",
+           "fmaxf(l1 > 0.0f ? m1 : neg_inf(), l2 > 0.0f ? m2 : neg_inf())", "fmaxf(m1, m2)", SIM),
 ]
 
 
