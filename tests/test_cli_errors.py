@@ -404,3 +404,12 @@ def test_json_safe_flags_every_replaced_value():
     clean = report.json_safe(dict(a=[1.0, np.float32(np.inf)], b=dict(c=np.array([np.nan, -np.inf]))), flags=flags)
     assert clean == dict(a=[1.0, None], b=dict(c=[None, None]))
     assert flags == {"a[1]": "Infinity", "b.c[0]": "NaN", "b.c[1]": "-Infinity"}
+
+
+def test_closed_stdout_is_one_line_before_any_work():
+    """Started with standard output closed (``>&-``), Python has no sys.stdout: results could reach no
+    one, so the command says so in one line and does no work (it was an AttributeError at the end)."""
+    r = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "scan", "--rows", "0:8"],
+                       stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1), cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr == "apa: error: standard output is closed; nothing could be written\n"

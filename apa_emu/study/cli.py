@@ -81,6 +81,9 @@ def _detach_stdout() -> None:
 
 
 def main(argv=None) -> int:
+    if sys.stdout is None:  # started with standard output closed: no result could reach anyone
+        print("apa: error: standard output is closed; nothing could be written", file=sys.stderr)
+        return EXIT_ERROR
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help, or a usage error already reported in one line
