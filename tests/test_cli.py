@@ -124,3 +124,15 @@ def test_chunked_against_whole_prompt(capsys, small_dump):
     three = run_json(capsys, "chunked", path, "--chunk", "16", "--backend", "cpu")["per_dump"][0]
     assert three["chunks"] == 3 and three["reasons"] == [["first", "", ""]] * 2  # 320 keys < 1.125 × 288
     assert three["whole"] == w and three["chunked"]["violations"] == 0 and three["chunked"]["min_cos"] > 0.99
+
+
+def test_chunked_counts_nonfinite_pairs_apart(capsys, small_dump, tmp_path):
+    """A pair whose output is not finite has no cosine: `apa chunked` counts such pairs apart, as
+    `apa scan` does, instead of as cosine 0 (fuzz-2026-12 S2). q and k ×40 overflow pass 2's FP16 scores."""
+    dump, _ = small_dump
+    big = [(x.astype(np.float32) * 40).astype(np.float16) for x in (dump.q, dump.k)]
+    path = str(write_dump(tmp_path / "ovf.apadump", big[0], big[1], dump.v, dump.q_offset))
+    bad = run_json(capsys, "scan", path, "--backend", "cpu")["nonfinite"]["count"]
+    whole = run_json(capsys, "chunked", path, "--chunk", "48", "--backend", "cpu")["per_dump"][0]["whole"]
+    assert 0 < whole["nonfinite"] == bad < 48 * 6
+    assert 0 < whole["min_cos"] <= whole["mean_cos"]

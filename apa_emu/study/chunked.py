@@ -20,15 +20,18 @@ from apa_emu.kvstate import KVState
 
 from . import fp64
 from .engine import metrics, reference
+from .scan import cos_stats
 
 
 @dataclass
 class Side:
-    """One way of running the dump: its hot share, per-pair cosines and certificate violations."""
+    """One way of running the dump: its hot share, per-pair cosines, which pairs are finite, and
+    certificate violations."""
 
     hot_tiles: int = 0
     active_tiles: int = 0
     cos: list | None = None
+    finite: list | None = None
     violations: int = 0
 
     @property
@@ -36,9 +39,12 @@ class Side:
         return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
 
     def summary(self) -> dict:
-        cos = np.concatenate(self.cos)
-        return dict(hot_share=self.hot_share, mean_cos=float(cos.mean()), min_cos=float(cos.min()),
-                    below_0_999=int((cos < 0.999).sum()), violations=self.violations)
+        """The cosines' statistics over the finite pairs, as ``apa scan`` takes them (a non-finite
+        output has no cosine: counted as 0 it would pass for a wrong answer), and how many are not."""
+        cos = np.where(np.concatenate(self.finite), np.concatenate(self.cos), np.nan)
+        stats = cos_stats(cos)
+        return dict(hot_share=self.hot_share, **{k: stats[k] for k in ("mean_cos", "min_cos", "below_0_999",
+                                                                       "nonfinite")}, violations=self.violations)
 
 
 @dataclass
@@ -63,7 +69,7 @@ def chunked_study(dump, cfg: Config, chunk: int, engine: Engine, progress=None) 
     n, G, off = dump.n, dump.group, dump.q_offset
     scale = float(cfg.softmax_scale(dump.hd))
     rows, heads = np.repeat(np.arange(n), G), np.tile(np.arange(G), n)
-    sides = {"whole": Side(cos=[]), "chunked": Side(cos=[])}
+    sides = {"whole": Side(cos=[], finite=[]), "chunked": Side(cos=[], finite=[])}
     starts = list(range(0, n, chunk))
     reasons, restats = [], 0
     steps, done = dump.nkv * (len(starts) + 1), 0
@@ -90,6 +96,7 @@ def chunked_study(dump, cfg: Config, chunk: int, engine: Engine, progress=None) 
             sums = metrics(engine, out[rows, heads], ref.out)
             s = sides[side]
             s.cos.append(fp64.cos_rel(sums)[0])
+            s.finite.append(np.isfinite(out[rows, heads].astype(np.float32)).all(axis=-1))
             s.violations += int((np.sqrt(sums.diff_sq) > bound[rows, heads]).sum())
             s.hot_tiles += sum(r.hot_tiles for r in results)
             s.active_tiles += sum(r.active_tiles for r in results)

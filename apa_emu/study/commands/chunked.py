@@ -11,7 +11,7 @@ HELP = "chunked prefill through a KV state against whole-prompt prefill: hot sha
 EPILOG = common.study_epilog("Each chunk sees the keys up to its last row; later chunks reuse the first chunk's K "
                              "mean and head scales until the context grows 1.125x (numerics.md §5.9).")
 
-_CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "violations"]
+_CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "nonfinite", "violations"]
 
 
 def add_arguments(p) -> None:
