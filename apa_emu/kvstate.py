@@ -36,6 +36,9 @@ class KVState:
     stats: Stats | None = None  # host arrays
     fingerprint: np.ndarray | None = None  # uint16 [3, 16]
     last: str = ""  # why the last call restatted ("" when it ran frozen)
+    # begin's decision for the call under way; finish makes it ``last``, so a call that never finished
+    # (an error, Ctrl-C) leaves the state describing the one before it
+    pending: str = field(default="", repr=False, compare=False)
     history: list = field(default_factory=list)  # (S, reason) per call
     cache: object = field(default=None, repr=False, compare=False)  # an implementation's (the kernel's key images)
 
@@ -73,7 +76,7 @@ def overflows(k, v, first: int, stats: Stats, xp, v_f16: bool = False) -> bool:
 
 def begin(state, k, v, n: int, q_offset: int, xp=np) -> Stats | None:
     """Check a call (k, v batched [B, S, Hkv, d], validated) against ``state``; the frozen statistics,
-    or None when the call restats. Records the reason in ``state.last``."""
+    or None when the call restats. Holds the reason for ``finish``; the state itself is not changed."""
     if not isinstance(state, KVState):
         raise ValueError(f"kv_state: expected an apa_emu.KVState, got {type(state).__name__}")
     B, S, Hkv, d = k.shape
@@ -96,13 +99,14 @@ def begin(state, k, v, n: int, q_offset: int, xp=np) -> Stats | None:
         reason = "overflow"
     else:
         reason = ""
-    state.last = reason
+    state.pending = reason
     return None if reason else state.stats
 
 
 def finish(state: KVState, k, stats: Stats, xp=np) -> None:
     """After the call: len = S and its fingerprint; on a restat, ``stats`` (the call's own) and slen."""
     S = k.shape[1]
+    state.last = state.pending
     if state.last:
         state.stats = Stats(*(np.array(x, F32) for x in stats))  # the kernel's cached images are formed under these
         state.stats_length = S

@@ -192,3 +192,24 @@ def test_first_chunk_may_start_past_a_prefix():
     assert _same(first, attention(q[100:300], k[:300], v[:300], 100, trace="all"))
     attention(q[300:320], k[:320], v[:320], 300, kv_state=state)
     assert state.last == "" and state.length == 320
+
+
+def test_an_interrupted_chunk_leaves_the_state_as_the_last_finished_one():
+    """A chunk stopped mid-run (its progress callback raising, as Ctrl-C would) changes nothing the
+    next chunk reads: ``last``, ``length`` and the history still describe the chunk before it
+    (fuzz-2026-12 S6), and running the chunk again gives the uninterrupted result."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((160, 2, 64), (160, 1, 64), (160, 1, 64)))
+    state, fresh = KVState(), KVState()
+    for st in (state, fresh):
+        attention(q[:80], k[:80], v[:80], 0, kv_state=st)
+
+    def stop(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        attention(q[80:], k, v, 80, kv_state=state, progress=stop)
+    assert (state.last, state.length, state.history) == ("first", 80, [(80, "first")])
+    again = attention(q[80:], k, v, 80, kv_state=state)
+    assert again.out.tobytes() == attention(q[80:], k, v, 80, kv_state=fresh).out.tobytes()
+    assert state.history == fresh.history == [(80, "first"), (160, "growth")]
