@@ -22,8 +22,8 @@ def _numba_cache_dir() -> str:
 
 numba.config.CACHE_DIR = _numba_cache_dir()  # before the modules below decorate their cached functions
 
-from .api import Result, attention  # noqa: E402
-from .call import validate  # noqa: E402
+from .api import attention  # noqa: E402
+from .call import Result, validate  # noqa: E402
 from .config import Config  # noqa: E402
 from .kvstate import KVState  # noqa: E402
 from .metrics import pair_metrics, summarize  # noqa: E402

@@ -29,8 +29,7 @@ from importlib.metadata import EntryPoint, entry_points
 import numpy as np
 
 from . import api
-from .api import Result
-from .call import Call
+from .call import Call, Result
 from .config import Config
 from .geometry import HEAD_DIMS
 
