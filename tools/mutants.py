@@ -189,6 +189,15 @@ MUTANTS = [
            ("tests/test_merge_frame.py",)),
     Mutant("K31", "kernel merge frame: a massless pass-1 state sets M", "cuda/merge.cuh",
            "fmaxf(l1 > 0.0f ? m1 : neg_inf(), l2 > 0.0f ? m2 : neg_inf())", "fmaxf(m1, m2)", SIM),
+    # mutants-2026-12's survivors: N7, F4 and S2 there.
+    Mutant("M34", "§5.2 kg without its K-mean term", "apa_emu/prep.py",
+           "kg = head_scale(amax(k) + np.abs(kmean).max(axis=1))", "kg = head_scale(amax(k))",
+           ("tests/test_spec_constants.py",)),
+    Mutant("M35", "§9.7 C2 of an FP16 and a binary32 pass-2 output swapped", "apa_emu/constants.py",
+           '{"f16": 2.0**-7, "f32": 2.0**-9,', '{"f16": 2.0**-9, "f32": 2.0**-7,', ("tests/test_spec_constants.py",)),
+    Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
+           "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
+           ("tests/test_attribute_configs.py",)),
 ]
 
 
