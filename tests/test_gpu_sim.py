@@ -31,11 +31,16 @@ def _needs_gxx():
         (pytest.fail if os.environ.get("CI") else pytest.skip)("g++ not found (.ci/run installs it)")
 
 
-SCRIPT = textwrap.dedent(
+# The kernel-vs-emulator runs: `run` one problem, `run_varlen` one varlen launch (§6.6). Each case
+# below is its own pytest item and subprocess (the simulator backend is chosen once per process), so a
+# slow or failing case reports itself and the rest still run; the simulator build is shared.
+PRELUDE = textwrap.dedent(
     """
     import numpy as np, apa_emu, apa_gpu
+    from apa_emu import KVState
     from apa_emu.compare import first_divergence, describe
     from apa_emu.config import Config
+    from apa_emu.strategies import make_inputs
 
     def run(seed, n, H, Hkv, S, d, off, cfg, batch=None, sink=False, schedule="separate", scale=1.0, window=None,
             page=None, inputs=None, segment=None):
@@ -65,46 +70,6 @@ SCRIPT = textwrap.dedent(
         merged = int(((rows["l1"] > 0) & (rows["l2"] > 0) & (rows["m1"] < big)).sum())
         print("ok", tag, g.hot_tiles, "/", g.active_tiles, "hot merged", merged)
 
-    run(1, 21, 3, 1, 150, 64, 129, Config(), sink=True)
-    run(2, 9, 4, 2, 100, 64, 91, Config(eps=1e9, tile_order="ascending"))
-    run(3, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum="f32"))
-    run(4, 10, 2, 2, 90, 64, 80, Config(p_groups="interleaved", p_scale="pow2", q_format="fp8", tau=0,
-                                        delta=0.0, block_scale="nearest"), batch=2)
-    run(5, 16, 3, 1, 130, 128, 114, Config(q_terms=1, quant_k=False, quant_p=False, eps=0.02), sink=True)
-    run(6, 20, 3, 1, 150, 64, 130, Config(eps=0.01), sink=True, schedule="fused")
-    # More tiles than ring stages (pipeline.cuh reloads), two CTA items (fused: a reused ring).
-    run(7, 70, 3, 1, 700, 64, 640, Config(eps=0.002), sink=True)
-    run(8, 70, 3, 1, 700, 64, 640, Config(eps=0.01, tile_order="ascending"), sink=True, schedule="fused")
-    # Hot and cold tiles mixed, so rows merge a rescaled cold part (§9); ε = 1 where no tile can be hot
-    # and a >= in the hot test would fire at the first visit; d = 128 fully quantized; FP16 subnormals.
-    run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True)
-    run(10, 21, 3, 1, 150, 64, 129, Config(eps=1.0), sink=True)
-    run(11, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True)
-    run(12, 16, 2, 1, 140, 64, 124, Config(eps=0.05), sink=True, scale=2.0**-12)
-    # Sliding windows (§6.1): warps that start past tile 0, rows blind to their first visited tile,
-    # every tile exact (the ε < 0 hot words start at F_w), the ascending order.
-    run(13, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200)
-    run(14, 70, 3, 1, 700, 64, 640, Config(eps=-1.0), window=100, schedule="fused")
-    run(15, 40, 2, 1, 500, 128, 460, Config(eps=0.01, tile_order="ascending"), window=64)
-    # The output hot test (§7.7): ν in the odd columns of the row-sum MMA, lv and the trace's tv, lv;
-    # interleaved slots (ν in slot order), a window (ν of keys below it +0), d = 128.
-    run(16, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test="output"), sink=True)
-    run(17, 40, 2, 1, 500, 128, 460, Config(eps=0.25, hot_test="output", p_groups="interleaved"), sink=True,
-        window=300, schedule="fused")
-    # Paged KV (§5.0): shuffled pages, a hole (odd seeds), page sizes that do not divide S, a batch.
-    run(19, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, page=48)
-    run(21, 30, 4, 2, 260, 128, 236, Config(eps=0.05, hot_test="output"), sink=True, batch=2, page=5,
-        schedule="fused")
-    # A frame move by δ that underflows o to −0 before a hot tile (§7.9: update adds +0).
-    from apa_emu.strategies import make_inputs
-    q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
-    k[119] = v[119] = 0
-    v[:, 0, 0] = -np.abs(v[:, 0, 0])  # then the zero-P̂ MMA of the hot tile alone would keep a −0
-    run(0, 56, 1, 1, 183, 64, 127, Config(eps=0.3, quant_k=False, quant_p=False, quant_v=False, tau=0),
-        inputs=(q, k, v))
-
-    # One varlen launch (§6.6) against the emulator's sequences alone; sequences of one and of two
-    # CTAs, so that a short one's extra CTAs and fused items are empty.
     def run_varlen(seed, lengths, H, Hkv, d, cfg, schedule="separate", window=None, segment=None):
         parts = [make_inputs(seed + i, 1, n, Hkv, H // Hkv, d, S, "sink", batched=False)
                  for i, (n, S) in enumerate(lengths)]
@@ -120,107 +85,197 @@ SCRIPT = textwrap.dedent(
         assert (g.active_tiles, g.hot_tiles) == (e.active_tiles, e.hot_tiles), tag
         print("ok", tag, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
 
-    run_varlen(30, [(9, 150), (70, 700), (1, 64), (33, 40)], 3, 1, 64, Config(eps=0.05))
-    run_varlen(31, [(70, 520), (4, 90)], 4, 2, 128, Config(eps=0.02, hot_test="output"), schedule="fused",
-               window=300)
+    def offset_keys(seed, n, G, d, S, cfg, schedule):
+        # Keys offset by 8 make sh = q·k̄ as large as the scores, so that x = S ⊗ qmul ⊖ sh keeps every
+        # bit of sh (with centred keys its rounding vanishes under x's: mutant K18 survived such cases).
+        q, k, v = make_inputs(seed, 1, n, 1, G, d, S, "sink", batched=False)
+        k = (k.astype(np.float32) + 8).astype(np.float16)
+        run(seed, n, G, 1, S, d, S - n, cfg, inputs=(q, k, v), schedule=schedule)
+    """
+)
 
+CHUNKS = """
+q, k, v = make_inputs(40, 1, 760, 1, 3, 64, 760, "sink", batched=False)
+se, sg, start = KVState(), KVState(), 0
+for end in (100, 110, 250, 270, 700, 720, 760):
+    # the bounded schedule for two chunks: its own images under the state's statistics, and after it
+    # the state's images formed anew
+    seg = dict(schedule="bounded", segment_tiles=2) if end in (270, 700) else {}
+    e = apa_emu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=se, trace="all")
+    g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all", **seg)
+    div = first_divergence(e, g)
+    assert div is None and se.history == sg.history, f"chunk {start}..{end} {sg}: " + describe(div or {})
+    start = end
+assert [r for _, r in sg.history] == ["first", "", "growth", "", "growth", "", ""], sg.history
+print("ok chunks", sg, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
+"""
+
+MIXED, MERGED, NO_HOT = "mixed", "merged", "no hot tile"
+
+
+def case(id_, code, *shows):
+    """One simulator problem; ``shows``: what its run must exhibit (MIXED: hot and cold tiles both;
+    MERGED: rows that merge a cold part in a lower frame with a hot part, §9; NO_HOT)."""
+    return pytest.param(textwrap.dedent(code), shows, id=id_)
+
+
+CASES = [
+    case("1-sink", "run(1, 21, 3, 1, 150, 64, 129, Config(), sink=True)"),
+    case("2-ascending-pure-fp4", "run(2, 9, 4, 2, 100, 64, 91, Config(eps=1e9, tile_order='ascending'))", NO_HOT),
+    case("3-all-exact-f32", "run(3, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum='f32'))"),
+    case("4-batch-toggles", "run(4, 10, 2, 2, 90, 64, 80, Config(p_groups='interleaved', p_scale='pow2', q_format='fp8',"
+                            " tau=0, delta=0.0, block_scale='nearest'), batch=2)"),
+    case("5-d128-q-only", "run(5, 16, 3, 1, 130, 128, 114, Config(q_terms=1, quant_k=False, quant_p=False, eps=0.02),"
+                          " sink=True)"),
+    case("6-fused", "run(6, 20, 3, 1, 150, 64, 130, Config(eps=0.01), sink=True, schedule='fused')"),
+    # More tiles than ring stages (pipeline.cuh reloads), two CTA items (fused: a reused ring).
+    case("7-ring-reloads", "run(7, 70, 3, 1, 700, 64, 640, Config(eps=0.002), sink=True)"),
+    case("8-fused-two-items", "run(8, 70, 3, 1, 700, 64, 640, Config(eps=0.01, tile_order='ascending'), sink=True,"
+                              " schedule='fused')"),
+    # Hot and cold tiles mixed, so rows merge a rescaled cold part (§9); ε = 1 where no tile can be hot
+    # and a >= in the hot test would fire at the first visit; d = 128 fully quantized; FP16 subnormals.
+    case("9-mixed", "run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True)", MIXED, MERGED),
+    case("10-eps-1", "run(10, 21, 3, 1, 150, 64, 129, Config(eps=1.0), sink=True)", NO_HOT),
+    case("11-d128-mixed", "run(11, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True)", MIXED, MERGED),
+    case("12-subnormals", "run(12, 16, 2, 1, 140, 64, 124, Config(eps=0.05), sink=True, scale=2.0**-12)"),
+    # Sliding windows (§6.1): warps that start past tile 0, rows blind to their first visited tile,
+    # every tile exact (the ε < 0 hot words start at F_w), the ascending order.
+    case("13-window", "run(13, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200)", MIXED, MERGED),
+    case("14-window-exact-fused", "run(14, 70, 3, 1, 700, 64, 640, Config(eps=-1.0), window=100, schedule='fused')"),
+    case("15-window-ascending-d128", "run(15, 40, 2, 1, 500, 128, 460, Config(eps=0.01, tile_order='ascending'),"
+                                     " window=64)"),
+    # The output hot test (§7.7): ν in the odd columns of the row-sum MMA, lv and the trace's tv, lv;
+    # interleaved slots (ν in slot order), a window (ν of keys below it +0), d = 128.
+    case("16-output-test", "run(16, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test='output'), sink=True)",
+         MIXED, MERGED),
+    case("17-output-test-window-fused", "run(17, 40, 2, 1, 500, 128, 460, Config(eps=0.25, hot_test='output',"
+                                        " p_groups='interleaved'), sink=True, window=300, schedule='fused')",
+         MIXED, MERGED),
+    # Paged KV (§5.0): shuffled pages, a hole (odd seeds), page sizes that do not divide S, a batch.
+    case("19-paged", "run(19, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, page=48)", MIXED, MERGED),
+    case("21-paged-batch", "run(21, 30, 4, 2, 260, 128, 236, Config(eps=0.05, hot_test='output'), sink=True, batch=2,"
+                           " page=5, schedule='fused')"),
+    # A frame move by δ that underflows o to −0 before a hot tile (§7.9: update adds +0).
+    case("0-minus-zero", """
+        q, k, v = make_inputs(0, 1, 56, 1, 1, 64, 183, "channel", batched=False)
+        k[119] = v[119] = 0
+        v[:, 0, 0] = -np.abs(v[:, 0, 0])  # then the zero-P̂ MMA of the hot tile alone would keep a −0
+        run(0, 56, 1, 1, 183, 64, 127, Config(eps=0.3, quant_k=False, quant_p=False, quant_v=False, tau=0),
+            inputs=(q, k, v))
+        """, MIXED, MERGED),
+    # One varlen launch (§6.6) against the emulator's sequences alone; sequences of one and of two
+    # CTAs, so that a short one's extra CTAs and fused items are empty.
+    case("30-varlen", "run_varlen(30, [(9, 150), (70, 700), (1, 64), (33, 40)], 3, 1, 64, Config(eps=0.05))", MIXED),
+    case("31-varlen-window-fused", "run_varlen(31, [(70, 520), (4, 90)], 4, 2, 128, Config(eps=0.02,"
+                                   " hot_test='output'), schedule='fused', window=300)", MIXED),
     # Chunked prefill (§5.9): frozen chunks (the state's statistics; prep forms only the tiles from the
     # last complete one on), growth restats, one of them past the key images' room; both sides keep
     # their own KV state.
-    from apa_emu import KVState
-    q, k, v = make_inputs(40, 1, 760, 1, 3, 64, 760, "sink", batched=False)
-    se, sg, start = KVState(), KVState(), 0
-    for end in (100, 110, 250, 270, 700, 720, 760):
-        # the bounded schedule for two chunks: its own images under the state's statistics, and after it
-        # the state's images formed anew
-        seg = dict(schedule="bounded", segment_tiles=2) if end in (270, 700) else {}
-        e = apa_emu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=se, trace="all")
-        g = apa_gpu.attention(q[start:end], k[:end], v[:end], start, Config(eps=0.05), kv_state=sg, trace="all",
-                              **seg)
-        div = first_divergence(e, g)
-        assert div is None and se.history == sg.history, f"chunk {start}..{end} {sg}: " + describe(div or {})
-        start = end
-    assert [r for _, r in sg.history] == ["first", "", "growth", "", "growth", "", ""], sg.history
-    print("ok chunks", sg, g.hot_tiles, "/", g.active_tiles, "hot merged 0")
-
+    case("40-chunks", CHUNKS, MIXED),
     # Head dim 256: CTAs of one warpgroup, 3-stage rings, the P·V wgmma as two 128-channel halves.
-    run(50, 70, 3, 1, 700, 256, 640, Config(eps=0.05, p2_accum="f32"), sink=True)
-    run(51, 40, 2, 1, 300, 256, 260, Config(eps=0.02, hot_test="output", p_groups="interleaved"), sink=True,
-        schedule="fused")
-
+    case("50-d256", "run(50, 70, 3, 1, 700, 256, 640, Config(eps=0.05, p2_accum='f32'), sink=True)"),
+    case("51-d256-fused", "run(51, 40, 2, 1, 300, 256, 260, Config(eps=0.02, hot_test='output',"
+                          " p_groups='interleaved'), sink=True, schedule='fused')"),
     # The seed's f16(v/vg) (§5.5 v_f16) through the parameter struct: one large value sets vg = 128 and
     # the other channels' v/vg fall among FP16 subnormals. On sm90 the rounding cannot move V̂ (an
     # unquantized operand is f16 anyway; NVFP4 rounds such values to 0 in either form, numerics.md §12
     # #6), so this checks the plumbing; the emulator's test_v_f16_rounds_the_scaled_value_to_fp16 pins
     # the effect where it exists (mma="exact").
-    q, k, v = make_inputs(53, 1, 40, 1, 2, 64, 300, "sink", batched=False)
-    v[:, 0, 1:] *= np.float16(2.0**-15)
-    v[3, 0, 0] = 60000
-    run(53, 40, 2, 1, 300, 64, 260, Config(eps=0.3, v_f16=True), inputs=(q, k, v))
-
+    case("53-v-f16", """
+        q, k, v = make_inputs(53, 1, 40, 1, 2, 64, 300, "sink", batched=False)
+        v[:, 0, 1:] *= np.float16(2.0**-15)
+        v[3, 0, 0] = 60000
+        run(53, 40, 2, 1, 300, 64, 260, Config(eps=0.3, v_f16=True), inputs=(q, k, v))
+        """, MIXED, MERGED),
     # The bounded schedule (§6.7): pass 1 over segments of a few tiles, its warps' state carried between
     # launches; hot and cold tiles mixed; both tile orders, a window (CTAs past tile 0), paging and
     # the output test (ν in the segment's slots), ε < 0 (no pass 1), a varlen batch, d = 128.
-    run(60, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, schedule="bounded", segment=3)
-    run(61, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test="output", tile_order="ascending"), sink=True,
-        schedule="bounded", segment=4, page=48)
-    run(62, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200, schedule="bounded", segment=2)
-    run(63, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum="f32"), schedule="bounded", segment=1)
-    run(64, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True, schedule="bounded", segment=1)
-    run_varlen(65, [(9, 150), (70, 700), (1, 64)], 3, 1, 64, Config(eps=0.05), schedule="bounded", segment=3)
-
+    case("60-bounded", "run(60, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, schedule='bounded', segment=3)",
+         MIXED, MERGED),
+    case("61-bounded-output-paged", "run(61, 70, 3, 1, 700, 64, 640, Config(eps=0.2, hot_test='output',"
+                                    " tile_order='ascending'), sink=True, schedule='bounded', segment=4, page=48)",
+         MIXED, MERGED),
+    case("62-bounded-window", "run(62, 70, 3, 1, 700, 64, 640, Config(eps=0.3), sink=True, window=200,"
+                              " schedule='bounded', segment=2)", MIXED, MERGED),
+    case("63-bounded-all-exact", "run(63, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum='f32'),"
+                                 " schedule='bounded', segment=1)"),
+    case("64-bounded-d128", "run(64, 24, 2, 1, 260, 128, 236, Config(eps=0.3), sink=True, schedule='bounded',"
+                            " segment=1)", MIXED, MERGED),
+    case("65-bounded-varlen", "run_varlen(65, [(9, 150), (70, 700), (1, 64)], 3, 1, 64, Config(eps=0.05),"
+                              " schedule='bounded', segment=3)", MIXED),
     # The seed's FMA sites (§1.8, config fma) on both sides: §7.4's u, §7.5's y, the hot test and hot
     # branch (mass and output tests), pass 2's x and the merge; P' unquantized, pow2 scales.
-    run(70, 70, 3, 1, 700, 64, 640, Config(eps=0.2, fma=True, hot_test="output"), sink=True)
-    run(71, 40, 2, 1, 300, 128, 260, Config(eps=0.05, fma=True, p2_accum="f32"), sink=True, schedule="bounded",
-        segment=2)
-    run(72, 16, 3, 1, 130, 64, 114, Config(eps=0.02, fma=True, quant_p=False, p_scale="pow2"), sink=True)
+    case("70-fma-output-test", "run(70, 70, 3, 1, 700, 64, 640, Config(eps=0.2, fma=True, hot_test='output'),"
+                               " sink=True)", MIXED, MERGED),
+    case("71-fma-bounded-d128", "run(71, 40, 2, 1, 300, 128, 260, Config(eps=0.05, fma=True, p2_accum='f32'),"
+                                " sink=True, schedule='bounded', segment=2)"),
+    case("72-fma-pow2", "run(72, 16, 3, 1, 130, 64, 114, Config(eps=0.02, fma=True, quant_p=False,"
+                        " p_scale='pow2'), sink=True)"),
     # Cold sink visits whose row-maximum group gets the lifted scale 18 fused (16 unfused; §7.4,
     # tests/test_algorithm.py), so an unfused §7.4 site shows (mutant K16).
-    run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3, fma=True), sink=True, schedule="bounded", segment=3)
-    # The seed's per-lane pass-2 row shift (§5.3 p2_shift), its channel pairs fused and not. Keys offset
-    # by 8 make sh = q·k̄ as large as the scores, so that x = S ⊗ qmul ⊖ sh keeps every bit of sh (with
-    # centred keys its rounding vanishes under x's: mutant K18 survived such cases).
-    for seed, n, G, d, S, cfg in ((73, 16, 3, 64, 130, Config(eps=0.02, p2_shift="lanes", fma=True)),
-                                  (74, 24, 2, 128, 260, Config(eps=0.05, p2_shift="lanes"))):
-        q, k, v = make_inputs(seed, 1, n, 1, G, d, S, "sink", batched=False)
-        k = (k.astype(np.float32) + 8).astype(np.float16)
-        run(seed, n, G, 1, S, d, S - n, cfg, inputs=(q, k, v), schedule="fused" if seed == 74 else "separate")
+    case("9-fma-bounded", "run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3, fma=True), sink=True, schedule='bounded',"
+                          " segment=3)", MIXED, MERGED),
+    # The seed's per-lane pass-2 row shift (§5.3 p2_shift), its channel pairs fused and not.
+    case("73-lanes-shift-fma", "offset_keys(73, 16, 3, 64, 130, Config(eps=0.02, p2_shift='lanes', fma=True),"
+                               " 'separate')", MIXED, MERGED),
+    case("74-lanes-shift-d128", "offset_keys(74, 24, 2, 128, 260, Config(eps=0.05, p2_shift='lanes'), 'fused')"),
     # Padding rows voting (§6.2 pad_vote), where they see keys the last row does not: the hand problem
     # of tests/test_seed_preset.py (its tile 2 hot only through their votes), and a random one in
     # segments (their state carried too).
-    q, k, v = np.zeros((1, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16)
-    q[0, 0, 0], k[64:128, 0, 0], k[129:144, 0, 0] = 4, -16, 16
-    v[:] = np.random.default_rng(0).standard_normal((256, 1, 64))
-    run(75, 1, 1, 1, 256, 64, 128, Config(eps=0.05, pad_vote=True), inputs=(q, k, v))
-    run(76, 5, 3, 1, 400, 64, 150, Config(eps=0.05, pad_vote=True), sink=True, schedule="bounded", segment=2)
+    case("75-pad-vote", """
+        q, k, v = np.zeros((1, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16)
+        q[0, 0, 0], k[64:128, 0, 0], k[129:144, 0, 0] = 4, -16, 16
+        v[:] = np.random.default_rng(0).standard_normal((256, 1, 64))
+        run(75, 1, 1, 1, 256, 64, 128, Config(eps=0.05, pad_vote=True), inputs=(q, k, v))
+        """, MIXED, MERGED),
+    case("76-pad-vote-bounded", "run(76, 5, 3, 1, 400, 64, 150, Config(eps=0.05, pad_vote=True), sink=True,"
+                                " schedule='bounded', segment=2)"),
     # The direct store (§9.5 direct_store): pure FP4, where no warp has a hot tile; and ε = 0.3 in
     # segments, where every warp has one (its first tile), set by an earlier launch than the export's.
-    run(77, 24, 2, 1, 260, 64, 236, Config(eps=1e9, direct_store=True), sink=True)
-    run(78, 70, 3, 1, 700, 64, 640, Config(eps=0.3, direct_store=True), sink=True, schedule="bounded", segment=3)
+    case("77-direct-store", "run(77, 24, 2, 1, 260, 64, 236, Config(eps=1e9, direct_store=True), sink=True)", NO_HOT),
+    case("78-direct-store-bounded", "run(78, 70, 3, 1, 700, 64, 640, Config(eps=0.3, direct_store=True), sink=True,"
+                                    " schedule='bounded', segment=3)", MIXED, MERGED),
     # §9.1: rows whose pass 1 holds no mass (every visited tile hot) while its FP4 frame sits far above
     # pass 2's exact maximum (fuzz-2026-12 S1: q and k x20); such a frame must not set the merge's.
-    q, k, v = make_inputs(79, 1, 64, 1, 2, 64, 128, "normal", batched=False)
-    q, k = ((x.astype(np.float32) * 20).astype(np.float16) for x in (q, k))
-    run(79, 64, 2, 1, 128, 64, 64, Config(), inputs=(q, k, v))
-    """
-)
+    case("79-massless-frame", """
+        q, k, v = make_inputs(79, 1, 64, 1, 2, 64, 128, "normal", batched=False)
+        q, k = ((x.astype(np.float32) * 20).astype(np.float16) for x in (q, k))
+        run(79, 64, 2, 1, 128, 64, 64, Config(), inputs=(q, k, v))
+        """),
+]
 
 
-def test_kernel_sources_on_simulator_match_emulator(tmp_path):
-    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
+@pytest.fixture(scope="module")
+def sim_cache(tmp_path_factory):
+    """One simulator build for every case of this module (keyed on the sources, so a planted bug in
+    cuda/ builds its own)."""
+    return tmp_path_factory.mktemp("sim-cache")
+
+
+@pytest.mark.parametrize("code, shows", CASES)
+def test_kernel_sources_on_simulator_match_emulator(sim_cache, code, shows):
+    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(sim_cache))
+    r = subprocess.run([sys.executable, "-c", PRELUDE + code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == 43, r.stdout
-    counts = [tuple(int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups()) for line in lines]
-    assert any(0 < h < a for h, a, _ in counts), "no problem mixed hot and cold tiles"
-    assert sum(m for _, _, m in counts) > 100, "too few rows merged both parts"
-    assert counts[9][0] == 0, "ε = 1 can make no tile hot"
-    assert all(0 < h < a for h, a, _ in counts[15:17]), "an output-test problem did not mix hot and cold tiles"
-    bounded = [c for line, c in zip(lines, counts) if " bounded " in line]
-    assert len(bounded) == 10 and sum(0 < h < a for h, a, _ in bounded) >= 4, "bounded runs without cold tiles"
+    line = r.stdout.strip().splitlines()[-1]
+    hot, active, merged = (int(x) for x in re.search(r" (\d+) / (\d+) hot merged (\d+)$", line).groups())
+    if MIXED in shows:
+        assert 0 < hot < active, f"hot and cold tiles did not mix: {line}"
+    if MERGED in shows:
+        assert merged > 0, f"no row merged a cold part with a hot one: {line}"
+    if NO_HOT in shows:
+        assert hot == 0, f"a tile went hot: {line}"
+
+
+def test_the_cases_cover_what_the_kernel_has():
+    """The simulator cases together reach every schedule, head dim, hot test and input layout."""
+    codes = " ".join(p.values[0] for p in CASES)
+    for feature in ("'fused'", "'bounded'", "window=", "page=", "run_varlen", "KVState", "hot_test='output'",
+                    "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'", ", 128,", ", 256,"):
+        assert feature in codes, feature
+    bounded = [p for p in CASES if "'bounded'" in p.values[0]]
+    assert len(bounded) == 10 and sum(MIXED in p.values[1] for p in bounded) >= 4
 
 
 def test_fma_site_probes_on_simulator(tmp_path):
