@@ -13,7 +13,7 @@ import numpy as np
 
 from . import trace as tr
 from . import kvstate, varlen
-from .call import Call, Result, logical_kv, resolve_call, resolve_config
+from .call import Call, Result, logical_kv, resolve_call, resolve_config, run_checked
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
@@ -237,7 +237,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace,
                         warps=warps)
-    return run(call, resolve_config(config), workers=workers, progress=progress)
+    cfg = resolve_config(config)
+    return run_checked(call, lambda c: run(c, cfg, workers=workers, progress=progress if c is call else None))
 
 
 def run(call: Call, cfg: Config, *, workers: int = 1, progress=None) -> Result:

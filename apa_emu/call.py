@@ -16,6 +16,7 @@ prep statistics' layout, the KV state (§5.9), the varlen sequences (§6.6) and 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,17 +34,32 @@ from .varlen import Seqs
 __all__ = [
     "Call", "resolve_call", "resolve_config", "logical_kv", "validate", "Result",
     "Config", "Shape", "HEAD_DIMS", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys",
-    "kvstate", "KVState", "Stats", "Seqs", "trace",
+    "kvstate", "KVState", "Stats", "Seqs", "trace", "Overflow", "NonFiniteOutput", "run_checked",
 ]
 
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """A computed (row, head) pair whose output is not finite: its index into ``out`` without the last
+    axis ((row, head), or (b, row, head) for a batched q) and the first stage of §10's row record that
+    went non-finite (``trace.overflow_stage``)."""
+
+    index: tuple[int, ...]
+    stage: str
+
+
+class NonFiniteOutput(RuntimeWarning):
+    """``attention`` returned pairs whose output is not finite (``Result.overflow`` lists them)."""
 
 
 @dataclass
 class Result:
     """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
     ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
-    each (row, head) (§9.7); rows not computed hold NaN in both."""
+    each (row, head) (§9.7); rows not computed hold NaN in both. ``overflow``: the computed pairs
+    whose output is not finite, each with the stage that made it so (``attention`` fills it and warns)."""
 
     out: np.ndarray
     err_bound: np.ndarray
@@ -54,6 +70,7 @@ class Result:
     visits: np.ndarray | None = None
     rows: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
+    overflow: list[Overflow] = field(default_factory=list)
 
     @property
     def hot_share(self) -> float:
@@ -316,3 +333,50 @@ def logical_kv(call: Call):
     if call.pages is None:
         return call.k, call.v
     return (gather(x, call.pages).astype(np.float16, copy=False) for x in (call.k, call.v))
+
+
+def _nonfinite_pairs(res: Result) -> np.ndarray:
+    """Indices (into ``out`` without its last axis) of the computed pairs whose output is not finite:
+    rows not computed hold NaN in ``err_bound`` too, a computed non-finite one +inf (§9.7 step 11)."""
+    out = np.asarray(res.out)
+    return np.argwhere(~np.isfinite(out).all(axis=-1) & ~np.isnan(np.asarray(res.err_bound)))
+
+
+def _owner(call: Call, index) -> tuple[tuple[int, int, int], int]:
+    """The (b, hk, warp) computing the pair at ``index`` and its packed row there (§6.2; in a varlen
+    call b is the sequence and the row its own)."""
+    *lead, row, head = (int(i) for i in index)
+    G = call.shape.G
+    if call.seqs is not None:
+        b = int(np.searchsorted(call.seqs.cq, row, side="right")) - 1
+        row -= int(call.seqs.cq[b])
+    else:
+        b = lead[0] if lead else 0
+    packed = row * G + head % G
+    return (b, head // G, packed // ROWS), packed
+
+
+def run_checked(call: Call, run) -> Result:
+    """``run(call)``, an engine's Result of the call, with ``overflow`` filled and a NonFiniteOutput
+    warning when a computed pair's output is not finite. The stage comes from §10's row records, so
+    the warps holding such pairs run once more, traced, from the KV state as it was before the call
+    (its statistics and decision; the kernel's cached images are formed afresh, bitwise alike)."""
+    before = None if call.kv_state is None else replace(call.kv_state, history=list(call.kv_state.history),
+                                                        cache=None)
+    res = run(call)
+    bad = _nonfinite_pairs(res)
+    if not len(bad):
+        return res
+    owners = [_owner(call, index) for index in bad]
+    triples = sorted({t for t, _ in owners})
+    # only those warps run, except in a chunk: the state's update needs every KV head's statistics
+    traced = run(replace(call, want=tr.TraceRequest(frozenset(triples)), trace_spec=triples, kv_state=before,
+                         warps=frozenset(triples) if before is None else None))
+    records = {(int(r["b"]), int(r["hk"]), int(r["row"])): r for r in traced.rows}
+    for index, ((b, hk, w), packed) in zip(bad, owners):
+        stage = tr.overflow_stage(records[b, hk, packed]) or "no stage of the row record (a planted bug?)"
+        res.overflow.append(Overflow(tuple(int(i) for i in index), stage))
+    first = res.overflow[0]
+    warnings.warn(f"{len(bad)} (row, head) pair(s) of the output are not finite; the first, {first.index}: "
+                  f"{first.stage} (Result.overflow lists each)", NonFiniteOutput, stacklevel=3)
+    return res

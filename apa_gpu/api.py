@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from apa_emu.call import (KV_STATS, TILE, Call, Config, KVState, Result, Shape, cdiv, kvstate, resolve_call,
-                          resolve_config, slot_keys)
+                          resolve_config, run_checked, slot_keys)
 
 from . import device
 from .plan import KVImages, Plan, check_config
@@ -45,7 +45,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     """
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace)
-    return run(call, resolve_config(config), schedule=schedule, segment_tiles=segment_tiles)
+    cfg = resolve_config(config)
+    return run_checked(call, lambda c: run(c, cfg, schedule=schedule, segment_tiles=segment_tiles))
 
 
 def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: int | None = None) -> Result:

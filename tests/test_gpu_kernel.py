@@ -229,6 +229,31 @@ def test_device_inputs_and_errors():
         apa_gpu.attention(q, k, v, 117, Config(mma="exact"))
 
 
+@pytest.mark.parametrize("schedule", ["separate", "fused", "bounded"])
+def test_overflow_report_matches_emulator(schedule):
+    """``Result.overflow`` from the kernel is the emulator's, pair by pair and stage by stage: head 0
+    overflows pass 2's FP16 output (q = 0, v = 1000 over 600 keys), head 1 its scores; the second
+    chunk of a KV state is diagnosed from the state as it was, and both states end alike."""
+    q = np.zeros((32, 2, 64), np.float16)
+    k = np.random.default_rng(0).standard_normal((600, 1, 64)).astype(np.float16)
+    v = np.ones((600, 1, 64), np.float16)
+    v[:, 0, 0] = 1000
+    q[:, 1] = (k[:32, 0].astype(np.float32) * 2000).astype(np.float16)
+    with pytest.warns(apa_emu.NonFiniteOutput):
+        e = apa_emu.attention(q, k, v, 568, Config(eps=0.01))
+    with pytest.warns(apa_emu.NonFiniteOutput):
+        g = apa_gpu.attention(q, k, v, 568, Config(eps=0.01), schedule=schedule)
+    assert g.overflow == e.overflow and {o.index[1] for o in e.overflow} == {0, 1}
+    states, last = (apa_emu.KVState(), apa_emu.KVState()), []
+    for attend, state in zip((apa_emu.attention, lambda *a, **kw: apa_gpu.attention(*a, schedule=schedule, **kw)),
+                             states):
+        with pytest.warns(apa_emu.NonFiniteOutput):
+            attend(q[:16], k[:584], v[:584], 568, Config(eps=0.01), kv_state=state)
+        with pytest.warns(apa_emu.NonFiniteOutput):
+            last.append(attend(q[16:], k, v, 584, Config(eps=0.01), kv_state=state))
+    assert last[0].overflow == last[1].overflow != []
+    assert states[0].history == states[1].history and len(states[0].history) == 2
+
 @pytest.mark.hardware  # the simulator runs CTAs one after another: determinism is by construction
 @pytest.mark.parametrize("schedule", ["separate", "fused", "bounded"])
 def test_deterministic_reruns(schedule):

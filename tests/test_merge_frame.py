@@ -62,7 +62,7 @@ def test_large_logits_give_finite_outputs_where_the_reference_is_finite():
 
 def test_a_nan_from_no_mass_is_named_as_such_not_as_an_overflow():
     from apa_emu import trace as tr
-    from apa_emu.study.scan import overflow_stage
+    from apa_emu.trace import overflow_stage
 
     rec = np.zeros((), tr.row_dtype(64))
     rec["out"] = np.nan

@@ -25,9 +25,9 @@ from ..call import resolve_call
 from ..compare import describe, first_divergence, save_reproducer
 from ..config import Config
 from ..engines import Engine
+from .. import trace as tr
 from ..geometry import ROWS
 from .engine import BackendError, ready
-from .scan import _STAGES
 
 KERNEL = "gpu"  # the engine apa check compares with the emulator
 
@@ -57,7 +57,7 @@ _RECORD_STAGES = {
 def stage_of(div: dict) -> str:
     """The stage of the kernel that wrote the first divergent value (§7–§10)."""
     if div["where"] == "rows":
-        return next((stage for stage, fields in _STAGES if div.get("field") in fields), "row records")
+        return next((stage for stage, fields in tr.STAGES if div.get("field") in fields), "row records")
     return _RECORD_STAGES.get(div["where"], div["where"])
 
 

@@ -14,6 +14,7 @@ from ..call import Result
 from ..config import Config
 from ..geometry import ROWS, TILE, Shape, warp_of
 from ..metrics import Summary, cosine_histogram
+from ..trace import overflow_stage
 from .dump import Dump
 from .engine import Engine, Unit, run_units, select_engine
 from .fp64 import PairSums, cos_rel
@@ -292,32 +293,6 @@ def cos_stats(cos: np.ndarray) -> dict:
     return dict(pairs=int(cos.size), mean_cos=float(c.mean()) if c.size else np.nan,
                 min_cos=float(c.min()) if c.size else np.nan, below_0_999=int((c < GOOD_COS).sum()),
                 nonfinite=int((~f).sum()))
-
-
-# The stages of a row in data-flow order with the trace fields each one writes (§7.10, §8.6, §9). A
-# frame m = −inf is no overflow: it means the stage saw no tile.
-_STAGES = (
-    ("pass 1 (FP4 estimate of the cold tiles)", ("m1", "l1", "part")),
-    ("pass 2 (FP16 scores q·k, row max and sum)", ("m2", "l2")),
-    ("pass 2 (FP16 output accumulation P·V)", ("o2",)),
-    ("the merge (FP16 output)", ("out",)),
-)
-
-
-def overflow_stage(rec) -> str | None:
-    """Which stage of a traced row (a ``trace.row_dtype`` record) first went non-finite, and how. A
-    NaN output from finite pass states is the merge's 0 ⊘ 0 when neither pass holds mass (§9.1-9.3;
-    pass 1's direct store of §9.5 with lc = 0 is the other way there), not an overflow."""
-    for stage, fields in _STAGES:
-        for name in fields:
-            x = np.asarray(rec[name], dtype=np.float64)
-            bad = np.isnan(x) | (x == np.inf) if name.startswith("m") else ~np.isfinite(x)
-            if not bad.any():
-                continue
-            if name == "out" and np.isnan(x[bad]).all() and not (rec["l1"] > 0 or rec["l2"] > 0):
-                return f"{stage}: 0/0, neither pass holds mass for the row (l1 = l2 = 0): out holds NaN"
-            return f"{stage} overflowed: {name} holds {'NaN' if np.isnan(x[bad]).any() else 'Inf'}"
-    return None
 
 
 F16_MAX = 65504.0
