@@ -70,6 +70,22 @@ def test_worst_pair_sweep(capsys, small_dump, tmp_path):
     assert sweep[0]["hot_share"] == 1.0 and sweep[-1]["hot_share"] == 0.0
 
 
+def test_no_plot_unless_asked(capsys, small_dump, tmp_path, monkeypatch):
+    """pair, sweep and attribute wrote apa_*.png into the working folder unasked, even with --json; a
+    plot the user names is written, replacing a file of that name."""
+    _, path = small_dump
+    monkeypatch.chdir(tmp_path)
+    for argv in (["pair", path, "--row", "40", "--head", "0"], ["sweep", path, "--eps", "0.01", "--rows", "0:8"],
+                 ["attribute", path, "--worst", "1", "--no-seed"]):
+        assert run_json(capsys, *argv, "--backend", "cpu")["plot"] is None
+        assert main([*argv, "--backend", "cpu"]) == 0
+        assert "plot:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "p.png").write_bytes(b"an older plot")
+    assert run_json(capsys, "pair", path, "--row", "40", "--head", "0", "--plot", "p.png")["plot"] == "p.png"
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG\r\n") and len(list(tmp_path.iterdir())) == 1
+
+
 def test_attribute_none_equals_unquantized_scan(small_dump):
     dump, _ = small_dump
     result = attribute(dump, Config(), 5, variants={"none": ATTRIBUTE_VARIANTS["none"]})

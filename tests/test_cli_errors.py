@@ -151,22 +151,52 @@ def test_special_paths_are_refused(capsys, dumps, tmp_path):
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
     assert "a directory, not a regular file" in one_line_error(capsys, ["smollm2", str(tmp_path / "o"), "--text",
                                                                         str(tmp_path)])
-    plain = tmp_path / "plain"
-    plain.write_text("x")
     pair = ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot"]
-    assert f"{plain}/x.png: Not a directory" in one_line_error(capsys, [*pair, str(plain / "x.png")])
-    assert "/dev/full: a character device" in one_line_error(capsys, [*pair, "/dev/full"])
+    assert "--plot /dev/full: a character device, not a regular file" in one_line_error(capsys, [*pair, "/dev/full"])
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_plot_into_read_only_folder(capsys, dumps, tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    err = one_line_error(capsys, ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot",
-                                  str(ro / "p.png")])
-    assert "Permission denied" in err and not any(ro.iterdir())
+def _read_only(folder: Path, monkeypatch) -> None:
+    """``folder`` made read-only; root ignores the mode bits, so for root os.access reports what
+    any other user would see."""
+    folder.chmod(0o500)
+    if os.geteuid() == 0:
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and Path(p) != folder)
+
+
+@pytest.mark.parametrize("command", [["pair", "--row", "40", "--head", "0"], ["sweep", "--eps", "0.01"],
+                                     ["attribute", "--worst", "1"]])
+@pytest.mark.parametrize("case", ["missing folder", "file as folder", "read-only folder", "a folder", "not .png"])
+def test_an_unwritable_plot_is_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command, case):
+    """A plot that cannot be written was an error after the whole study, its tables lost: now one line
+    naming --plot and the path, before any dump is read."""
+    from apa_emu.study.commands import common
+
+    (tmp_path / "plain").write_text("x")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "dir.png").mkdir()
+    plot, why = {"missing folder": ("none/p.png", f"folder {tmp_path / 'none'} does not exist"),
+                 "file as folder": ("plain/p.png", f"{tmp_path / 'plain'} is not a folder"),
+                 "read-only folder": ("ro/p.png", f"folder {tmp_path / 'ro'} is not writable"),
+                 "a folder": ("dir.png", "a directory, not a regular file: refusing to replace it"),
+                 "not .png": ("p.pdf", "the file is written as PNG; give a name ending in .png")}[case]
+    if case == "read-only folder":
+        _read_only(tmp_path / "ro", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "read_dump", lambda *a, **k: pytest.fail("a dump was read: work began"))
+    err = one_line_error(capsys, [command[0], dumps["good"], *command[1:], "--backend", "cpu", "--plot", plot])
+    assert err == f"apa: error: --plot {plot}: {why}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "plain", "ro"]
+    assert not any((tmp_path / "ro").iterdir()) and not any((tmp_path / "dir.png").iterdir())
+
+
+def test_synth_refuses_a_missing_folder_before_allocating(capsys, tmp_path, monkeypatch):
+    from apa_emu.study.commands import synth
+
+    monkeypatch.setattr(synth, "synthetic", lambda *a, **k: pytest.fail("synthetic ran before the check"))
+    err = one_line_error(capsys, ["synth", str(tmp_path / "none" / "s.apadump"), "--n", "16", "--kv", "64"])
+    assert err == f"apa: error: {tmp_path / 'none' / 's.apadump'}: folder {tmp_path / 'none'} does not exist\n"
 
 
 def test_workers_beyond_the_cpus_are_clamped_with_a_notice(capsys, dumps, monkeypatch):

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import os
 import signal
+import stat
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from ...config import CHOICES, Config
 from ..dump import builtin_dump_path, read_dump
 from ..engine import backends, select_engine
+from ..files import _not_regular
 from ..report import progress_bar, say
 from ..scan import Job, Pairs
 
@@ -154,8 +156,10 @@ def dump_paths(args) -> list[Path]:
     return paths
 
 
-# The options that name a file a command writes (a PNG, a dump).
-OUTPUT_OPTIONS = ("plot", "out")
+# The options that name a file a command writes: how its messages name it (apa synth's dump is a
+# positional argument, named by its path alone) and the suffix its name must end in, if any: a plot is
+# PNG bytes whatever its name (plots.save), so a .pdf or .svg name would hold a PNG.
+OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "out": ("", None)}
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -165,17 +169,44 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why files.write_atomically could not write ``path`` (None: it can): it writes through a link,
+    into the folder of the link's target, and replaces only a regular file."""
+    target = Path(os.path.realpath(path))
+    try:
+        if not stat.S_ISDIR(os.stat(target.parent).st_mode):
+            return f"{target.parent} is not a folder"
+    except (FileNotFoundError, NotADirectoryError):
+        return f"folder {target.parent} does not exist"
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        return _not_regular(mode, path, "replace").strerror
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        return f"folder {target.parent} is not writable"
+    return None
+
+
 def check_outputs(args, inputs) -> None:
-    """No file a command writes may be one it reads (``apa pair X --plot X`` replaced the dump with
-    a PNG): refused before any work, nothing written."""
-    for option in OUTPUT_OPTIONS:
+    """Every file the command writes can be written there, and none is one it reads (``apa pair X
+    --plot X`` replaced the dump with a PNG): refused before any work, so that no run ends in a
+    failed write with its tables lost. An existing regular file is replaced: naming it asked for that."""
+    for option, (flag, suffix) in OUTPUT_OPTIONS.items():
         text = getattr(args, option, None)
         if not text:
             continue
         for path in inputs:
             if _same_file(Path(text), Path(path)):
-                raise ValueError(f"--{option} {text}: is also an input of this command ({path}); "
+                raise ValueError(f"{flag}{text}: is also an input of this command ({path}); "
                                  f"refusing to overwrite it")
+        why = _unwritable(Path(text))
+        if why:
+            raise ValueError(f"{flag}{text}: {why}")
+        if suffix and Path(text).suffix.lower() != suffix:
+            raise ValueError(f"{flag}{text}: the file is written as {suffix[1:].upper()}; give a name ending in "
+                             f"{suffix}")
 
 
 def _pairs(args, dump):

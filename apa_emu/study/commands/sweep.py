@@ -82,8 +82,8 @@ def add_arguments(p) -> None:
     p.add_argument("--eps", type=float, nargs="+", default=[-1, 0.001, 0.002, 0.005, 0.01, 0.05, 1e9],
                    help="ε values, one run each (< 0: every tile exact; 1e9: pure FP4)")
     common.selection(p)
-    p.add_argument("--plot", default="apa_sweep.png",
-                   help="PNG of min cosine against hot share, the accuracy-cost frontier ('' for none)")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of min cosine against hot share, the "
+                   "accuracy-cost frontier, there (default: no plot)")
 
 
 def run(args) -> None:
