@@ -399,6 +399,36 @@ def test_help_lists_config_keys_and_columns():
     assert all(re.search(rf"^  {re.escape(v)}\s+quantized in pass 1: ", attribute, re.M) for v in ATTRIBUTE_VARIANTS)
 
 
+def test_help_explains_every_column_printed(capsys, dumps, monkeypatch):
+    """Every column and metric row that scan, sweep and chunked print has a line of its own in their
+    --help, its name and then its meaning. The names come from real runs, so a new column without a
+    meaning fails here."""
+    from apa_emu.study.commands import chunked, sweep
+    from apa_emu.study.commands import scan as scan_command
+
+    printed = {}
+    for module in (scan_command, sweep, chunked):
+        def record(title, columns, rows, real=module.table, command=module.__name__.rpartition(".")[2]):
+            names = printed.setdefault(command, set())
+            names.update(c for c in columns if c not in ("metric", "value"))
+            if columns[0] == "metric":  # a table of named rows: the names are its first column
+                names.update(r[0] for r in rows)
+            return real(title, columns, rows)
+
+        monkeypatch.setattr(module, "table", record)
+    good, hot = dumps["good"], dumps["hot_v"]
+    for argv in (["scan", good], ["scan", hot], ["scan", good, hot], ["sweep", good, "--eps", "0.01"],
+                 ["sweep", good, hot, "--eps", "0.01"], ["chunked", good, hot, "--chunk", "16"]):
+        assert main([*argv, "--backend", "cpu"]) == 0
+    capsys.readouterr()
+    assert {"bin", "cold_out_rel_max", "first non-finite (row, head)", "bound_over_ref_median"} <= printed["scan"]
+    assert {"eps", "pass2_tiles"} <= printed["sweep"] and "frozen (chunk, KV head)" in printed["chunked"]
+    for command, names in printed.items():
+        text = _subparsers()[command].format_help()
+        unexplained = sorted(c for c in names if not re.search(rf"^  {re.escape(c)}\s{{2,}}\S", text, re.M))
+        assert not unexplained, f"apa {command} --help does not explain {unexplained}"
+
+
 def test_progress_bar_says_why_it_waits(monkeypatch):
     rich_console = pytest.importorskip("rich.console")
     rich_progress = pytest.importorskip("rich.progress")

@@ -15,6 +15,7 @@ import os
 import signal
 import stat
 import sys
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,6 +109,40 @@ def config_epilog() -> str:
         lines.append(f"  {f.name:<12} {accepted:<40} default {'none' if default is None else default}")
     return ("--config keys (docs/numerics.md §1–§9 says what each one does; a first preset=seed starts from the "
             "seed's arithmetic, §12):\n" + "\n".join(lines))
+
+
+# What the columns and metric rows shared by the study tables mean, for the commands' --help; each
+# command builds its COLUMNS from these and its own (columns_epilog). A pair is a (query row, head);
+# its output is compared with float64 attention.
+_SHARED_COLUMNS = {
+    "dump": "the dump file; pooled: the pairs of every dump together",
+    "pairs": "the pairs measured",
+    "hot_share": "share of the key tiles visited (by the warps holding the pairs) that the hot test sent to "
+                 "pass 2, recomputed exactly in FP16: the cost of the accuracy",
+    "pooled_cos": "cosine of all the pairs' outputs taken as one vector against float64 attention's",
+    "mean_cos": "mean of the pairs' cosines (output against float64 attention)",
+    "min_cos": "the lowest pair's cosine",
+    "below_0_999": "pairs whose cosine is below 0.999",
+    "below_0_99": "pairs whose cosine is below 0.99",
+    "below_0_9": "pairs whose cosine is below 0.9",
+    "nonfinite": "pairs whose output holds NaN or Inf (an FP16 stage overflowed, see apa headroom --help), left "
+                 "out of every cosine",
+    "violations": "pairs whose error |out − float64 attention| exceeds the certificate err_bound "
+                  "(docs/numerics.md §9.7): anything but 0 is a bug of the bound or of the engine",
+}
+
+
+def shared_columns(*names: str) -> dict[str, str]:
+    """The meanings of the shared columns ``names``, to splice into a command's COLUMNS."""
+    return {name: _SHARED_COLUMNS[name] for name in names}
+
+
+def columns_epilog(columns: dict[str, str], title: str = "columns and metrics") -> str:
+    """A --help section: each column's name and its meaning, wrapped under it."""
+    width = max(map(len, columns)) + 2
+    lines = [textwrap.fill(meaning, 110, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+             for name, meaning in columns.items()]
+    return "\n".join([textwrap.fill(f"{title}:", 110), *lines])
 
 
 def study_epilog(notes: str = "") -> str:

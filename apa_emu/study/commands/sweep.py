@@ -15,7 +15,13 @@ from ..scan import Job, Pairs, Scan, cos_stats, engine_for, evaluate
 from . import common
 
 HELP = "hot share and cosines per ε"
-EPILOG = common.study_epilog()
+COLUMNS = {
+    "eps": "the run's ε (< 0: every tile exact; 1e9: pure FP4)",
+    **common.shared_columns("dump", "hot_share"),
+    "pass2_tiles": "key tiles pass 2 recomputed, over the warps holding the pairs (hot_share's numerator)",
+    **common.shared_columns("pairs", "pooled_cos", "mean_cos", "min_cos", "below_0_999", "below_0_9", "nonfinite"),
+}
+EPILOG = common.study_epilog(common.columns_epilog(COLUMNS, "columns (pairs: in --json only)"))
 
 
 @dataclass(frozen=True)
