@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from apa_emu import Config, attention
+from apa_emu.engines import Engine
 from apa_emu.study import report, scan
 from apa_emu.study.cli import build_parser, main
 from apa_emu.study.commands import worst
@@ -197,6 +198,42 @@ def test_synth_refuses_a_missing_folder_before_allocating(capsys, tmp_path, monk
     monkeypatch.setattr(synth, "synthetic", lambda *a, **k: pytest.fail("synthetic ran before the check"))
     err = one_line_error(capsys, ["synth", str(tmp_path / "none" / "s.apadump"), "--n", "16", "--kv", "64"])
     assert err == f"apa: error: {tmp_path / 'none' / 's.apadump'}: folder {tmp_path / 'none'} does not exist\n"
+
+
+class _AbsentEngine(Engine):
+    """A GPU engine on a machine without its GPU."""
+
+    @classmethod
+    def missing(cls):
+        return "CuPy is not installed (pip install -e '.[gpu]')"
+
+
+class _PartialEngine(Engine):
+    """A GPU engine that is there but does not implement head dim 64."""
+
+    @classmethod
+    def lacks(cls, config, d):
+        return f"head dim {d} is not implemented" if d == 64 else None
+
+
+def test_auto_backend_notes_only_an_engine_that_is_there_but_cannot_run(capsys, dumps, monkeypatch):
+    """On a machine without a GPU, --backend auto ran every command with a note that CuPy is not installed:
+    now it falls back silently, and says why only when the GPU engine is there but lacks what was asked
+    (or --devices asked for GPUs). --backend gpu still refuses with the reason."""
+    argv = ["scan", dumps["good"], "--rows", "0:2", "--json"]
+    monkeypatch.setenv("APA_ENGINES", f"gpu={__name__}:_AbsentEngine")
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*argv, "--devices", "0"]) == 0
+    assert capsys.readouterr().err == ("apa: note: running on the CPU emulator: CuPy is not installed "
+                                       "(pip install -e '.[gpu]')\n")
+    assert one_line_error(capsys, [*argv, "--backend", "gpu"]) == ("apa: error: --backend gpu: CuPy is not installed "
+                                                                   "(pip install -e '.[gpu]')\n")
+    monkeypatch.setenv("APA_ENGINES", f"gpu={__name__}:_PartialEngine")
+    assert main(argv) == 0
+    assert capsys.readouterr().err == "apa: note: running on the CPU emulator: head dim 64 is not implemented\n"
+    assert one_line_error(capsys, [*argv, "--backend", "gpu"]) == ("apa: error: --backend gpu: head dim 64 is not "
+                                                                   "implemented\n")
 
 
 def test_workers_beyond_the_cpus_are_clamped_with_a_notice(capsys, dumps, monkeypatch):

@@ -71,7 +71,8 @@ def study_options(p, many=True) -> None:
     p.add_argument("--backend", choices=backends(), default="auto",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
-                        "dim 64, 128 or 256), else the CPU, saying why in one line. Both give the same numbers")
+                        "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
+                        "the same numbers")
     if many:
         p.add_argument("--devices", type=_devices, metavar="I,J",
                        help="GPUs to share the (dump, KV head) units, one process each, e.g. 0,1 (default: the "
