@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_json(capsys, *argv) -> dict:
@@ -68,6 +72,22 @@ def test_worst_pair_sweep(capsys, small_dump, tmp_path):
     assert mass.sum() == pytest.approx(1.0)
     sweep = run_json(capsys, "sweep", path, "--eps", "-1", "0.01", "1e9", "--plot", str(tmp_path / "s.png"))["sweep"]
     assert sweep[0]["hot_share"] == 1.0 and sweep[-1]["hot_share"] == 0.0
+
+
+def test_no_plot_unless_asked(capsys, small_dump, tmp_path, monkeypatch):
+    """pair, sweep and attribute wrote apa_*.png into the working folder unasked, even with --json; a
+    plot the user names is written, replacing a file of that name."""
+    _, path = small_dump
+    monkeypatch.chdir(tmp_path)
+    for argv in (["pair", path, "--row", "40", "--head", "0"], ["sweep", path, "--eps", "0.01", "--rows", "0:8"],
+                 ["attribute", path, "--worst", "1", "--no-seed"]):
+        assert run_json(capsys, *argv, "--backend", "cpu")["plot"] is None
+        assert main([*argv, "--backend", "cpu"]) == 0
+        assert "plot:" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "p.png").write_bytes(b"an older plot")
+    assert run_json(capsys, "pair", path, "--row", "40", "--head", "0", "--plot", "p.png")["plot"] == "p.png"
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG\r\n") and len(list(tmp_path.iterdir())) == 1
 
 
 def test_attribute_none_equals_unquantized_scan(small_dump):
@@ -136,3 +156,17 @@ def test_chunked_counts_nonfinite_pairs_apart(capsys, small_dump, tmp_path):
     whole = run_json(capsys, "chunked", path, "--chunk", "48", "--backend", "cpu")["per_dump"][0]["whole"]
     assert 0 < whole["nonfinite"] == bad < 48 * 6
     assert 0 < whole["min_cos"] <= whole["mean_cos"]
+
+
+def test_readme_python_example_runs_and_shows_cold_tiles():
+    """The README's Python API example runs as written (its certificate assert included), and its
+    inputs leave tiles cold: with 1024 random keys every tile was hot, so it never showed what APA does.
+    The hot share its comment quotes is the one it prints."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"^## Python API\n\n```python\n(.*?)^```$", readme, re.M | re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    shown = re.search(r"^hot share ([0-9.]+)$", printed.getvalue(), re.M).group(1)
+    quoted = re.search(r"^print\(f\"hot share .*# ([0-9.]+):", code, re.M).group(1)
+    assert 0 < float(shown) < 0.5 and shown == quoted

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from apa_emu import Config, attention
+from apa_emu.engines import Engine
 from apa_emu.study import report, scan
 from apa_emu.study.cli import build_parser, main
 from apa_emu.study.commands import worst
@@ -151,22 +152,88 @@ def test_special_paths_are_refused(capsys, dumps, tmp_path):
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
     assert "a directory, not a regular file" in one_line_error(capsys, ["smollm2", str(tmp_path / "o"), "--text",
                                                                         str(tmp_path)])
-    plain = tmp_path / "plain"
-    plain.write_text("x")
     pair = ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot"]
-    assert f"{plain}/x.png: Not a directory" in one_line_error(capsys, [*pair, str(plain / "x.png")])
-    assert "/dev/full: a character device" in one_line_error(capsys, [*pair, "/dev/full"])
+    assert "--plot /dev/full: a character device, not a regular file" in one_line_error(capsys, [*pair, "/dev/full"])
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_plot_into_read_only_folder(capsys, dumps, tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    err = one_line_error(capsys, ["pair", dumps["good"], "--backend", "cpu", "--row", "40", "--head", "0", "--plot",
-                                  str(ro / "p.png")])
-    assert "Permission denied" in err and not any(ro.iterdir())
+def _read_only(folder: Path, monkeypatch) -> None:
+    """``folder`` made read-only; root ignores the mode bits, so for root os.access reports what
+    any other user would see."""
+    folder.chmod(0o500)
+    if os.geteuid() == 0:
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and Path(p) != folder)
+
+
+@pytest.mark.parametrize("command", [["pair", "--row", "40", "--head", "0"], ["sweep", "--eps", "0.01"],
+                                     ["attribute", "--worst", "1"]])
+@pytest.mark.parametrize("case", ["missing folder", "file as folder", "read-only folder", "a folder", "not .png"])
+def test_an_unwritable_plot_is_refused_before_any_work(capsys, dumps, tmp_path, monkeypatch, command, case):
+    """A plot that cannot be written was an error after the whole study, its tables lost: now one line
+    naming --plot and the path, before any dump is read."""
+    from apa_emu.study.commands import common
+
+    (tmp_path / "plain").write_text("x")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "dir.png").mkdir()
+    plot, why = {"missing folder": ("none/p.png", f"folder {tmp_path / 'none'} does not exist"),
+                 "file as folder": ("plain/p.png", f"{tmp_path / 'plain'} is not a folder"),
+                 "read-only folder": ("ro/p.png", f"folder {tmp_path / 'ro'} is not writable"),
+                 "a folder": ("dir.png", "a directory, not a regular file: refusing to replace it"),
+                 "not .png": ("p.pdf", "the file is written as PNG; give a name ending in .png")}[case]
+    if case == "read-only folder":
+        _read_only(tmp_path / "ro", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "read_dump", lambda *a, **k: pytest.fail("a dump was read: work began"))
+    err = one_line_error(capsys, [command[0], dumps["good"], *command[1:], "--backend", "cpu", "--plot", plot])
+    assert err == f"apa: error: --plot {plot}: {why}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "plain", "ro"]
+    assert not any((tmp_path / "ro").iterdir()) and not any((tmp_path / "dir.png").iterdir())
+
+
+def test_synth_refuses_a_missing_folder_before_allocating(capsys, tmp_path, monkeypatch):
+    from apa_emu.study.commands import synth
+
+    monkeypatch.setattr(synth, "synthetic", lambda *a, **k: pytest.fail("synthetic ran before the check"))
+    err = one_line_error(capsys, ["synth", str(tmp_path / "none" / "s.apadump"), "--n", "16", "--kv", "64"])
+    assert err == f"apa: error: {tmp_path / 'none' / 's.apadump'}: folder {tmp_path / 'none'} does not exist\n"
+
+
+class _AbsentEngine(Engine):
+    """A GPU engine on a machine without its GPU."""
+
+    @classmethod
+    def missing(cls):
+        return "CuPy is not installed (pip install -e '.[gpu]')"
+
+
+class _PartialEngine(Engine):
+    """A GPU engine that is there but does not implement head dim 64."""
+
+    @classmethod
+    def lacks(cls, config, d):
+        return f"head dim {d} is not implemented" if d == 64 else None
+
+
+def test_auto_backend_notes_only_an_engine_that_is_there_but_cannot_run(capsys, dumps, monkeypatch):
+    """On a machine without a GPU, --backend auto ran every command with a note that CuPy is not installed:
+    now it falls back silently, and says why only when the GPU engine is there but lacks what was asked
+    (or --devices asked for GPUs). --backend gpu still refuses with the reason."""
+    argv = ["scan", dumps["good"], "--rows", "0:2", "--json"]
+    monkeypatch.setenv("APA_ENGINES", f"gpu={__name__}:_AbsentEngine")
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*argv, "--devices", "0"]) == 0
+    assert capsys.readouterr().err == ("apa: note: running on the CPU emulator: CuPy is not installed "
+                                       "(pip install -e '.[gpu]')\n")
+    assert one_line_error(capsys, [*argv, "--backend", "gpu"]) == ("apa: error: --backend gpu: CuPy is not installed "
+                                                                   "(pip install -e '.[gpu]')\n")
+    monkeypatch.setenv("APA_ENGINES", f"gpu={__name__}:_PartialEngine")
+    assert main(argv) == 0
+    assert capsys.readouterr().err == "apa: note: running on the CPU emulator: head dim 64 is not implemented\n"
+    assert one_line_error(capsys, [*argv, "--backend", "gpu"]) == ("apa: error: --backend gpu: head dim 64 is not "
+                                                                   "implemented\n")
 
 
 def test_workers_beyond_the_cpus_are_clamped_with_a_notice(capsys, dumps, monkeypatch):
@@ -367,6 +434,36 @@ def test_help_lists_config_keys_and_columns():
     assert {f.name for f in dataclasses.fields(PairDiagnostics)} - {"row", "head"} <= explained
     attribute = _subparsers()["attribute"].format_help()
     assert all(re.search(rf"^  {re.escape(v)}\s+quantized in pass 1: ", attribute, re.M) for v in ATTRIBUTE_VARIANTS)
+
+
+def test_help_explains_every_column_printed(capsys, dumps, monkeypatch):
+    """Every column and metric row that scan, sweep and chunked print has a line of its own in their
+    --help, its name and then its meaning. The names come from real runs, so a new column without a
+    meaning fails here."""
+    from apa_emu.study.commands import chunked, sweep
+    from apa_emu.study.commands import scan as scan_command
+
+    printed = {}
+    for module in (scan_command, sweep, chunked):
+        def record(title, columns, rows, real=module.table, command=module.__name__.rpartition(".")[2]):
+            names = printed.setdefault(command, set())
+            names.update(c for c in columns if c not in ("metric", "value"))
+            if columns[0] == "metric":  # a table of named rows: the names are its first column
+                names.update(r[0] for r in rows)
+            return real(title, columns, rows)
+
+        monkeypatch.setattr(module, "table", record)
+    good, hot = dumps["good"], dumps["hot_v"]
+    for argv in (["scan", good], ["scan", hot], ["scan", good, hot], ["sweep", good, "--eps", "0.01"],
+                 ["sweep", good, hot, "--eps", "0.01"], ["chunked", good, hot, "--chunk", "16"]):
+        assert main([*argv, "--backend", "cpu"]) == 0
+    capsys.readouterr()
+    assert {"bin", "cold_out_rel_max", "first non-finite (row, head)", "bound_over_ref_median"} <= printed["scan"]
+    assert {"eps", "pass2_tiles"} <= printed["sweep"] and "frozen (chunk, KV head)" in printed["chunked"]
+    for command, names in printed.items():
+        text = _subparsers()[command].format_help()
+        unexplained = sorted(c for c in names if not re.search(rf"^  {re.escape(c)}\s{{2,}}\S", text, re.M))
+        assert not unexplained, f"apa {command} --help does not explain {unexplained}"
 
 
 def test_progress_bar_says_why_it_waits(monkeypatch):

@@ -67,18 +67,24 @@ def unit_bytes(n: int, G: int, S: int, d: int, block_elements: int) -> int:
     return inputs + kernel + reference
 
 
+def _lacks(cls: type[Engine], configs, dims) -> str | None:
+    """Why engines of class ``cls`` cannot run some config at some head dim (None: they run them all)."""
+    return next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
+
+
 def ready(cls: type[Engine], configs, dims, devices=()) -> tuple[Engine | None, str | None]:
     """An engine of class ``cls`` on ``devices`` when it can run every config at every head dim here,
     else None and why not."""
-    why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
+    why = cls.missing() or _lacks(cls, configs, dims)
     return (None, why) if why else (cls(devices=devices), None)
 
 
 def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> Engine:
     """The engine for a study of ``configs`` on dumps of head dims ``dims``: ``backend`` "cpu", a
     registered engine's name such as "gpu" (BackendError naming what is missing when it cannot run)
-    or "auto" (the first registered engine that can run every config, else the CPU with a ``note``
-    saying why). An Engine passes through."""
+    or "auto": the first registered engine that can run every config, else the CPU, with a ``note``
+    saying why when an engine is there but lacks a config or head dim, or ``devices`` asked for one.
+    An Engine passes through."""
     if isinstance(backend, Engine):
         return backend
     if backend not in (names := backends()):
@@ -87,14 +93,23 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
         if devices:
             raise ValueError("--devices chooses GPUs: it needs the GPU backend, not --backend cpu")
         return CpuEngine(workers)
-    whys = []
-    for name in engines.registered() if backend == "auto" else (backend,):
-        engine, why = ready(engines.load(name), configs, dims, devices)
-        if engine:
-            return engine
-        whys.append(why)
     if backend != "auto":
-        raise BackendError(f"--backend {backend}: {whys[0]}")
+        engine, why = ready(engines.load(backend), configs, dims, devices)
+        if why:
+            raise BackendError(f"--backend {backend}: {why}")
+        return engine
+    whys = []
+    for name in engines.registered():
+        cls = engines.load(name)
+        absent = cls.missing()
+        # Not on this machine (no CuPy, no device) and no --devices asked for it: the CPU is the plain
+        # choice, and a note saying so on every command of a CPU-only machine would be noise.
+        if absent and not devices:
+            continue
+        why = absent or _lacks(cls, configs, dims)
+        if why is None:
+            return cls(devices=devices)
+        whys.append(why)
     return CpuEngine(workers, note=f"running on the CPU emulator: {whys[0]}" if whys else None)
 
 

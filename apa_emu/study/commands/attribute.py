@@ -261,8 +261,8 @@ def add_arguments(p) -> None:
                         "(mma=exact, mma=sm120, the seed column) rerun on the CPU emulator; 0 leaves them out")
     p.add_argument("--buckets", type=common.count, default=8, metavar="N",
                    help="query-position buckets of the breakdown and the heatmap")
-    p.add_argument("--plot", default="apa_attribute.png",
-                   help="PNG heatmap of min cosine by (head, position bucket) ('' for none)")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG heatmap of min cosine by (head, position "
+                   "bucket) there (default: no plot)")
     p.add_argument("--seed", action=argparse.BooleanOptionalAction, default=True,
                    help="also run each variant on the seed's arithmetic (Config.seed(), docs/numerics.md §12), "
                         "a column beside ours; the kernel lacks it, so with the GPU it runs on the CPU emulator "

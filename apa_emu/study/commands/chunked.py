@@ -8,8 +8,19 @@ from ..report import emit, table
 from . import common
 
 HELP = "chunked prefill through a KV state against whole-prompt prefill: hot share and cosines"
+COLUMNS = {
+    "dump": "the dump file, two rows each",
+    "prefill": "whole: the dump's query rows in one call; chunked: in chunks of --chunk rows through a KV state",
+    "chunks": "calls per KV head",
+    "restats": "chunks that computed the K statistics afresh, summed over the KV heads (the first chunk always "
+               "does; later ones when the context outgrew them)",
+    "frozen (chunk, KV head)": "chunks that reused an earlier chunk's statistics, summed over the KV heads",
+    **common.shared_columns("hot_share", "mean_cos", "min_cos", "below_0_999", "nonfinite", "violations"),
+}
 EPILOG = common.study_epilog("Each chunk sees the keys up to its last row; later chunks reuse the first chunk's K "
-                             "mean and head scales until the context grows 1.125x (numerics.md §5.9).")
+                             "mean and head scales until the context grows 1.125x (numerics.md §5.9).\n\n"
+                             + common.columns_epilog(COLUMNS, "columns (every pair of the dump against float64 "
+                                                              "attention)"))
 
 _CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "nonfinite", "violations"]
 

@@ -13,7 +13,9 @@ import dataclasses
 import importlib
 import os
 import signal
+import stat
 import sys
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import numpy as np
 from ...config import CHOICES, Config
 from ..dump import builtin_dump_path, read_dump
 from ..engine import backends, select_engine
+from ..files import _not_regular
 from ..report import progress_bar, say
 from ..scan import Job, Pairs
 
@@ -68,7 +71,8 @@ def study_options(p, many=True) -> None:
     p.add_argument("--backend", choices=backends(), default="auto",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
-                        "dim 64, 128 or 256), else the CPU, saying why in one line. Both give the same numbers")
+                        "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
+                        "the same numbers")
     if many:
         p.add_argument("--devices", type=_devices, metavar="I,J",
                        help="GPUs to share the (dump, KV head) units, one process each, e.g. 0,1 (default: the "
@@ -106,6 +110,40 @@ def config_epilog() -> str:
         lines.append(f"  {f.name:<12} {accepted:<40} default {'none' if default is None else default}")
     return ("--config keys (docs/numerics.md §1–§9 says what each one does; a first preset=seed starts from the "
             "seed's arithmetic, §12):\n" + "\n".join(lines))
+
+
+# What the columns and metric rows shared by the study tables mean, for the commands' --help; each
+# command builds its COLUMNS from these and its own (columns_epilog). A pair is a (query row, head);
+# its output is compared with float64 attention.
+_SHARED_COLUMNS = {
+    "dump": "the dump file; pooled: the pairs of every dump together",
+    "pairs": "the pairs measured",
+    "hot_share": "share of the key tiles visited (by the warps holding the pairs) that the hot test sent to "
+                 "pass 2, recomputed exactly in FP16: the cost of the accuracy",
+    "pooled_cos": "cosine of all the pairs' outputs taken as one vector against float64 attention's",
+    "mean_cos": "mean of the pairs' cosines (output against float64 attention)",
+    "min_cos": "the lowest pair's cosine",
+    "below_0_999": "pairs whose cosine is below 0.999",
+    "below_0_99": "pairs whose cosine is below 0.99",
+    "below_0_9": "pairs whose cosine is below 0.9",
+    "nonfinite": "pairs whose output holds NaN or Inf (an FP16 stage overflowed, see apa headroom --help), left "
+                 "out of every cosine",
+    "violations": "pairs whose error |out − float64 attention| exceeds the certificate err_bound "
+                  "(docs/numerics.md §9.7): anything but 0 is a bug of the bound or of the engine",
+}
+
+
+def shared_columns(*names: str) -> dict[str, str]:
+    """The meanings of the shared columns ``names``, to splice into a command's COLUMNS."""
+    return {name: _SHARED_COLUMNS[name] for name in names}
+
+
+def columns_epilog(columns: dict[str, str], title: str = "columns and metrics") -> str:
+    """A --help section: each column's name and its meaning, wrapped under it."""
+    width = max(map(len, columns)) + 2
+    lines = [textwrap.fill(meaning, 110, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+             for name, meaning in columns.items()]
+    return "\n".join([textwrap.fill(f"{title}:", 110), *lines])
 
 
 def study_epilog(notes: str = "") -> str:
@@ -154,8 +192,10 @@ def dump_paths(args) -> list[Path]:
     return paths
 
 
-# The options that name a file a command writes (a PNG, a dump).
-OUTPUT_OPTIONS = ("plot", "out")
+# The options that name a file a command writes: how its messages name it (apa synth's dump is a
+# positional argument, named by its path alone) and the suffix its name must end in, if any: a plot is
+# PNG bytes whatever its name (plots.save), so a .pdf or .svg name would hold a PNG.
+OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "out": ("", None)}
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -165,17 +205,44 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why files.write_atomically could not write ``path`` (None: it can): it writes through a link,
+    into the folder of the link's target, and replaces only a regular file."""
+    target = Path(os.path.realpath(path))
+    try:
+        if not stat.S_ISDIR(os.stat(target.parent).st_mode):
+            return f"{target.parent} is not a folder"
+    except (FileNotFoundError, NotADirectoryError):
+        return f"folder {target.parent} does not exist"
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        return _not_regular(mode, path, "replace").strerror
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        return f"folder {target.parent} is not writable"
+    return None
+
+
 def check_outputs(args, inputs) -> None:
-    """No file a command writes may be one it reads (``apa pair X --plot X`` replaced the dump with
-    a PNG): refused before any work, nothing written."""
-    for option in OUTPUT_OPTIONS:
+    """Every file the command writes can be written there, and none is one it reads (``apa pair X
+    --plot X`` replaced the dump with a PNG): refused before any work, so that no run ends in a
+    failed write with its tables lost. An existing regular file is replaced: naming it asked for that."""
+    for option, (flag, suffix) in OUTPUT_OPTIONS.items():
         text = getattr(args, option, None)
         if not text:
             continue
         for path in inputs:
             if _same_file(Path(text), Path(path)):
-                raise ValueError(f"--{option} {text}: is also an input of this command ({path}); "
+                raise ValueError(f"{flag}{text}: is also an input of this command ({path}); "
                                  f"refusing to overwrite it")
+        why = _unwritable(Path(text))
+        if why:
+            raise ValueError(f"{flag}{text}: {why}")
+        if suffix and Path(text).suffix.lower() != suffix:
+            raise ValueError(f"{flag}{text}: the file is written as {suffix[1:].upper()}; give a name ending in "
+                             f"{suffix}")
 
 
 def _pairs(args, dump):

@@ -116,7 +116,8 @@ def add_arguments(p) -> None:
     p.add_argument("--row", type=int, required=True, help="query row (index into the dump's Q rows)")
     p.add_argument("--head", type=int, required=True, help="query head")
     common.eps(p)
-    p.add_argument("--plot", default="apa_pair.png", help="PNG of per-tile mass and contribution ('' for none)")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of per-tile mass and contribution there "
+                   "(default: no plot)")
 
 
 def run(args) -> None:

@@ -10,17 +10,41 @@ from ..scan import Scan, scan_jobs
 from . import common
 
 HELP = "every (row, head) pair vs float64: cosines, relative L2, hot share, the error certificate"
-_CERTIFICATE = """certificate (docs/numerics.md §9.7), over the finite pairs: err_bound, the engine's upper
-bound of |out − exact| of each pair, against its measured error |out − float64 attention|:
-  coverage               share of the pairs whose bound is at least the error: anything below 1 is a
-                         bug of the bound or of the engine
-  violations             pairs whose bound is below the error (the first few named)
-  infinite               pairs whose bound is +inf: pass 2's FP16 scores could overflow (§8.7)
-  bound_over_err_min     bound / error, least and median over the pairs with an error
-  bound_over_err_median  (at least 1; the larger, the looser the bound)
-  bound_over_ref_median  bound / |float64 attention|, median: the bound as a relative error
-"""
-EPILOG = common.study_epilog(_CERTIFICATE)
+COLUMNS = {
+    **common.shared_columns("dump"),
+    "pairs": "the pairs measured (in the table of one dump: the finite ones, which the cosines cover; in the "
+             "histogram: those in the bin)",
+    **common.shared_columns("hot_share", "pooled_cos", "mean_cos", "min_cos", "below_0_9", "below_0_99"),
+    "below_0": "pairs whose cosine is negative",
+    "rel_l2_mean": "mean over the pairs of |out − float64 attention| / |float64 attention|, the relative L2 error",
+    "rel_l2_p99": "its 99th percentile",
+    "rel_l2_max": "its largest value",
+    "max_abs_err": "the largest |out − float64 attention| of one output element",
+    "cold_mass_f64_mean": "mean share of a pair's softmax mass in its cold tiles (those left to pass 1's FP4), "
+                          "in float64",
+    "cold_mass_f64_max": "its largest value",
+    "cold_out_rel_max": "largest |cold tiles' part of the float64 output| / |float64 output|",
+    **common.shared_columns("nonfinite"),
+    "finite pairs": "shown instead of the statistics when no pair's output is finite",
+    "non-finite pairs": "as nonfinite, out of all the pairs selected",
+    "first non-finite (row, head)": "the first few of those pairs",
+    "bin": "a range of the pairs' cosines, [low, high); non-finite: the pairs with no cosine",
+}
+CERTIFICATE = {
+    "coverage": "share of the pairs whose bound is at least the error: anything below 1 is a bug of the bound "
+                "or of the engine",
+    **common.shared_columns("violations"),
+    "infinite": "pairs whose bound is +inf: pass 2's FP16 scores could overflow (§8.7)",
+    "bound_over_err_min": "bound / error, the least over the pairs with an error (at least 1)",
+    "bound_over_err_median": "its median (the larger, the looser the bound)",
+    "bound_over_ref_median": "bound / |float64 attention|, median: the bound as a relative error",
+    "first violations (row, head)": "the first few pairs of violations",
+}
+EPILOG = common.study_epilog(
+    common.columns_epilog(COLUMNS) + "\n\n"
+    + common.columns_epilog(CERTIFICATE, "certificate (docs/numerics.md §9.7), over the finite pairs: err_bound, "
+                            "the engine's upper bound of |out − exact| of each pair, against its measured error "
+                            "|out − float64 attention|"))
 
 _CERT_TITLE = "certificate err_bound (§9.7)"
 _CERT = ["coverage", "violations", "infinite", "bound_over_err_min", "bound_over_err_median", "bound_over_ref_median"]

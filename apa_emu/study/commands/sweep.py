@@ -15,7 +15,13 @@ from ..scan import Job, Pairs, Scan, cos_stats, engine_for, evaluate
 from . import common
 
 HELP = "hot share and cosines per ε"
-EPILOG = common.study_epilog()
+COLUMNS = {
+    "eps": "the run's ε (< 0: every tile exact; 1e9: pure FP4)",
+    **common.shared_columns("dump", "hot_share"),
+    "pass2_tiles": "key tiles pass 2 recomputed, over the warps holding the pairs (hot_share's numerator)",
+    **common.shared_columns("pairs", "pooled_cos", "mean_cos", "min_cos", "below_0_999", "below_0_9", "nonfinite"),
+}
+EPILOG = common.study_epilog(common.columns_epilog(COLUMNS, "columns (pairs: in --json only)"))
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ def add_arguments(p) -> None:
     p.add_argument("--eps", type=float, nargs="+", default=[-1, 0.001, 0.002, 0.005, 0.01, 0.05, 1e9],
                    help="ε values, one run each (< 0: every tile exact; 1e9: pure FP4)")
     common.selection(p)
-    p.add_argument("--plot", default="apa_sweep.png",
-                   help="PNG of min cosine against hot share, the accuracy-cost frontier ('' for none)")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of min cosine against hot share, the "
+                   "accuracy-cost frontier, there (default: no plot)")
 
 
 def run(args) -> None:

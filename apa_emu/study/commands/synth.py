@@ -33,6 +33,7 @@ def _check_memory(args) -> None:
 
 
 def run(args) -> None:
+    common.check_outputs(args, [])
     _check_memory(args)
     d = synthetic(args.n, args.kv, args.heads, args.kv_heads, args.d, seed=args.seed)
     say(str(write_dump(args.out, d.q, d.k, d.v, d.q_offset)))
