@@ -167,7 +167,9 @@ def test_engine_choice_and_why(monkeypatch):
     assert (cpu.name, cpu.note) == ("cpu", None)
     auto = engine.select_engine("auto", [Config()], [64], workers=2)
     assert (auto.name, auto.workers) == ("cpu", 2)
-    assert auto.note == "running on the CPU emulator: CuPy is not installed (pip install -e '.[gpu]')"
+    assert auto.note is None  # no GPU here: the CPU without a note
+    assert engine.select_engine("auto", [Config()], [64], devices=(0,)).note == \
+        "running on the CPU emulator: CuPy is not installed (pip install -e '.[gpu]')"
     with pytest.raises(engine.BackendError, match=r"^--backend gpu: CuPy is not installed"):
         engine.select_engine("gpu", [Config()], [64])
     with pytest.raises(ValueError, match="--devices chooses GPUs"):
@@ -210,8 +212,7 @@ def test_backend_messages_are_one_line(capsys, monkeypatch, dumps):
     assert main(["check", a]) == 2
     assert capsys.readouterr() == ("", "apa: error: apa check runs the kernel: no CUDA device is visible\n")
     assert main(["scan", a, "--rows", "0:2", "--json"]) == 0
-    err = capsys.readouterr().err
-    assert err == "apa: note: running on the CPU emulator: no CUDA device is visible\n"
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(gpu_engine, "kernel_missing", lambda: None)
     assert main(["scan", a, "--rows", "0:2", "--config", "mma=exact", "--json"]) == 0
     assert capsys.readouterr().err == ("apa: note: running on the CPU emulator: config.mma='exact' is an emulator "
