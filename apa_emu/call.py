@@ -239,9 +239,11 @@ def check_window(window, n: int, S: int, q_offset: int) -> int | None:
 
 
 def check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps=None) -> None:
-    """§5.9: a KV state is defined for a dense causal chunk only."""
+    """§5.9: a KV state is a KVState, defined for a dense causal chunk only."""
     if kv_state is None:
         return
+    if not isinstance(kv_state, KVState):
+        raise ValueError(f"kv_state: expected an apa_emu.KVState, got {type(kv_state).__name__}")
     for name, value in (("window", window), ("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k), ("warps", warps)):
         if value is not None:

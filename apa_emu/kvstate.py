@@ -75,10 +75,9 @@ def overflows(k, v, first: int, stats: Stats, xp, v_f16: bool = False) -> bool:
 
 
 def begin(state, k, v, n: int, q_offset: int, xp=np) -> Stats | None:
-    """Check a call (k, v batched [B, S, Hkv, d], validated) against ``state``; the frozen statistics,
-    or None when the call restats. Holds the reason for ``finish``; the state itself is not changed."""
-    if not isinstance(state, KVState):
-        raise ValueError(f"kv_state: expected an apa_emu.KVState, got {type(state).__name__}")
+    """Check a call (k, v batched [B, S, Hkv, d], validated; ``state`` a KVState, apa_emu.call
+    check_state_use) against ``state``; the frozen statistics, or None when the call restats. Holds the
+    reason for ``finish``; the state itself is not changed."""
     B, S, Hkv, d = k.shape
     if state.length and q_offset != state.length:
         raise ValueError(f"kv_state: the chunk starts at q_offset={q_offset}, but the state holds {state.length} "
