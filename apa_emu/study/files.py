@@ -17,7 +17,8 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _not_regular(mode: int, path, action: str) -> OSError:
+def not_regular(mode: int, path, action: str) -> OSError:
+    """The error for a path of this ``mode`` that is not a regular file, naming what it is."""
     kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
     return OSError(errno.EINVAL, f"{kind}, not a regular file: refusing to {action} it", str(path))
 
@@ -32,7 +33,7 @@ def open_regular(path: str | os.PathLike):
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise _not_regular(mode, path, "read")
+            raise not_regular(mode, path, "read")
         os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
     except BaseException:
@@ -62,7 +63,7 @@ def write_atomically(path: str | os.PathLike, write) -> Path:
     except FileNotFoundError:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        raise _not_regular(mode, path, "replace")
+        raise not_regular(mode, path, "replace")
     # A unique name opened exclusively, not mkstemp: the file gets the umask's permissions, not 0600.
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:

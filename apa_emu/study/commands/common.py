@@ -24,7 +24,7 @@ import numpy as np
 from ...config import CHOICES, Config
 from ..dump import builtin_dump_path, read_dump
 from ..engine import backends, select_engine
-from ..files import _not_regular
+from ..files import not_regular
 from ..report import progress_bar, say
 from ..scan import Job, Pairs
 
@@ -219,7 +219,7 @@ def _unwritable(path: Path) -> str | None:
     except FileNotFoundError:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        return _not_regular(mode, path, "replace").strerror
+        return not_regular(mode, path, "replace").strerror
     if not os.access(target.parent, os.W_OK | os.X_OK):
         return f"folder {target.parent} is not writable"
     return None
