@@ -67,15 +67,10 @@ def unit_bytes(n: int, G: int, S: int, d: int, block_elements: int) -> int:
     return inputs + kernel + reference
 
 
-def _lacks(cls: type[Engine], configs, dims) -> str | None:
-    """Why engines of class ``cls`` cannot run some config at some head dim (None: they run them all)."""
-    return next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
-
-
 def ready(cls: type[Engine], configs, dims, devices=()) -> tuple[Engine | None, str | None]:
     """An engine of class ``cls`` on ``devices`` when it can run every config at every head dim here,
     else None and why not."""
-    why = cls.missing() or _lacks(cls, configs, dims)
+    why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
     return (None, why) if why else (cls(devices=devices), None)
 
 
@@ -101,14 +96,13 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
     whys = []
     for name in engines.registered():
         cls = engines.load(name)
-        absent = cls.missing()
         # Not on this machine (no CuPy, no device) and no --devices asked for it: the CPU is the plain
         # choice, and a note saying so on every command of a CPU-only machine would be noise.
-        if absent and not devices:
+        if cls.missing() and not devices:
             continue
-        why = absent or _lacks(cls, configs, dims)
-        if why is None:
-            return cls(devices=devices)
+        engine, why = ready(cls, configs, dims, devices)
+        if engine:
+            return engine
         whys.append(why)
     return CpuEngine(workers, note=f"running on the CPU emulator: {whys[0]}" if whys else None)
 
