@@ -17,7 +17,7 @@ from .call import Call, Result, logical_kv, resolve_call, resolve_config, run_ch
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
-from .merge import certificate, merge
+from .merge import certificate, estimate, merge_y
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
@@ -60,6 +60,7 @@ class WarpResult:
     w: int
     out: np.ndarray  # [16, d] f16
     err_bound: np.ndarray  # [16] f32 (§9.7)
+    err_est: np.ndarray  # [16] f32 (§9.8)
     active: int  # T_w − F_w + 1 (§6.3)
     nhot: int
     p1: P1Out
@@ -87,6 +88,7 @@ class _Runner:
         self.p2_mode = cfg.pass2_flags().lower(P2Mode, exact=cfg.mma == "exact", f32_out=cfg.p2_accum == "f32",
                                                soft=self.soft, qmul=prep.qmul)
         self.cert = cfg.cert_consts(prep.d)
+        self.est = cfg.est_consts(prep.d)
 
     def _rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
         """The warp's rows of a per-row prep array, ``pad`` in padding rows (numerics.md §6.2)."""
@@ -145,7 +147,8 @@ class _Runner:
         nvalid = int(wr.valid.sum())
         rec = np.zeros(nvalid, tr.row_dtype(self.prep.d))
         rec["b"], rec["hk"], rec["row"] = self.b, self.hk, wr.w * ROWS + np.arange(nvalid)
-        state = {**res.p1._asdict(), **res.p2._asdict(), "out": res.out, "err_bound": res.err_bound}
+        state = {**res.p1._asdict(), **res.p2._asdict(), "out": res.out, "err_bound": res.err_bound,
+                 "err_est": res.err_est}
         for name in tr.ROW_FIELDS:
             rec[name] = state[name][:nvalid]
         return rec
@@ -157,14 +160,18 @@ class _Runner:
         tiles = _hot_tiles(p1.hot_words, wr.last_tile)
         p2 = self._pass2(wr, tiles)
         if self.mode.direct and not len(tiles):  # §9.5: the seed's direct store
-            out = p1.part.astype(np.float16)
+            y = p1.part
         else:
-            out = merge(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
+            y = merge_y(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
+        out = y.astype(np.float16)
         p = self.prep
-        bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lo, wr.lim, len(tiles), self._rows(p.cq, wr, 1),
-                            self._rows(p.qstat, wr, 0), p.kvstat[0], p.qmul, self.cert, self.soft)
-        res = WarpResult(w, out, np.where(wr.valid, bound, F32(0)).astype(F32), wr.last_tile - wr.first_tile + 1,
-                         len(tiles), p1, p2)
+        cq, qstat = self._rows(p.cq, wr, 1), self._rows(p.qstat, wr, 0)
+        bound = certificate(p1.m1, p1.l1, p1.ad1, p2.m2, p2.l2, out, wr.lo, wr.lim, len(tiles), cq, qstat,
+                            p.kvstat[0], p.qmul, self.cert, self.soft)
+        est = estimate(p1.m1, p1.l1, p1.ws1, p2.m2, p2.l2, p2.p2, p2.o2, y, out, len(tiles), cq, qstat, p.kvstat[0],
+                       self._rows(p.sh, wr, 0), self.est, self.soft)
+        res = WarpResult(w, out, *(np.where(wr.valid, x, F32(0)).astype(F32) for x in (bound, est)),
+                         wr.last_tile - wr.first_tile + 1, len(tiles), p1, p2)
         if traced:
             res.visits, res.rows = self._visit_records(w, trace), self._row_records(res, wr)
         return res
@@ -305,19 +312,20 @@ def _assemble(call: Call, cfg: Config, results, stats) -> Result:
     shape, want = call.shape, call.want
     B, n, d, G, nw = shape.B, shape.n, shape.d, shape.G, shape.nw
     rows_out = np.full((B, shape.Hkv, shape.Rp, d), np.nan, np.float16)
-    rows_bound = np.full((B, shape.Hkv, shape.Rp, 1), np.nan, F32)
+    rows_bound = np.full((B, shape.Hkv, shape.Rp, 2), np.nan, F32)
     hot = np.zeros((B, shape.Hkv, nw, shape.W), np.uint32)
     for b, hk, res in results:
         rows_out[b, hk, res.w * ROWS:(res.w + 1) * ROWS] = res.out
-        rows_bound[b, hk, res.w * ROWS:(res.w + 1) * ROWS, 0] = res.err_bound
+        rows_bound[b, hk, res.w * ROWS:(res.w + 1) * ROWS] = np.stack([res.err_bound, res.err_est], axis=1)
         hot[b, hk, res.w] = res.p1.hot_words
     out = np.stack([unpack_rows(rows_out[b, :, :shape.R], n, G) for b in range(B)])
-    bound = np.stack([unpack_rows(rows_bound[b, :, :shape.R], n, G)[..., 0] for b in range(B)])
+    bound, est = (np.stack([unpack_rows(rows_bound[b, :, :shape.R], n, G)[..., i] for b in range(B)]) for i in range(2))
     visits = [res.visits for _, _, res in results if res.visits is not None]
     row_recs = [res.rows for _, _, res in results if res.rows is not None]
     return Result(
         out=out[0] if call.squeeze else out,
         err_bound=bound[0] if call.squeeze else bound,
+        err_est=est[0] if call.squeeze else est,
         hot=hot,
         active_tiles=sum(res.active for _, _, res in results),
         hot_tiles=sum(res.nhot for _, _, res in results),

@@ -58,7 +58,9 @@ class NonFiniteOutput(RuntimeWarning):
 class Result:
     """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
     ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
-    each (row, head) (§9.7); rows not computed hold NaN in both. ``overflow``: the computed pairs
+    each (row, head) (§9.7); ``err_est`` (the same shape) estimates it, about 2 standard deviations
+    (§9.8: it covers the error on about 99.9 % of pairs, and overstates it about 2×); rows not
+    computed hold NaN in all three. ``overflow``: the computed pairs
     whose output is not finite, each with the stage that made it so (``attention`` fills it and warns)."""
 
     out: np.ndarray
@@ -71,6 +73,7 @@ class Result:
     rows: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
     overflow: list[Overflow] = field(default_factory=list)
+    err_est: np.ndarray | None = None
 
     @property
     def hot_share(self) -> float:

@@ -68,7 +68,8 @@ def first_divergence(emu, other, name: str = "gpu") -> dict | None:
         if d is not None:
             return d
     return (_array_divergence("out", emu.out, other.out, name)
-            or _array_divergence("err_bound", emu.err_bound, other.err_bound, name))
+            or _array_divergence("err_bound", emu.err_bound, other.err_bound, name)
+            or _array_divergence("err_est", emu.err_est, other.err_est, name))
 
 
 def _array_divergence(where: str, emu: np.ndarray, other: np.ndarray, name: str) -> dict | None:

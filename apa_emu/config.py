@@ -134,6 +134,11 @@ class Config:
         p2_out = "exact" if self.mma == "exact" else self.p2_accum
         return constants.cert_consts(d, p2_out, self.exp2 == "fast", self.delta)
 
+    def est_consts(self, d: int) -> constants.EstConsts:
+        """§9.8 constants (binary32), shared by the emulator and the kernel's parameters."""
+        p2_out = "exact" if self.mma == "exact" else self.p2_accum
+        return constants.est_consts(d, p2_out, self.quant_p)
+
     # Each toggle a pass reads, lowered here once: the emulator (P1Mode, P2Mode) and the kernel's
     # parameter structs (apa_gpu/plan.py) take the same values by the same names.
     def prep_flags(self) -> constants.PrepFlags:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fpmath
-from .constants import CertConsts
+from .constants import CertConsts, EstConsts
 
 F32 = np.float32
 P16, P20, P25 = F32(2.0**-16), F32(2.0**-20), F32(2.0**-25)
@@ -36,6 +36,11 @@ def merge_weights(m1, l1, m2, l2, soft: bool):
 def merge(m1, l1, part, m2, l2, o2, soft: bool, fma: bool = False) -> np.ndarray:
     """§9 (every warp, §9.5) for arrays of rows: m/l [R], part/o2 [R, d] (binary32). Returns the FP16
     output [R, d]. ``fma``: the seed's fused denominator and numerator (§1.8)."""
+    return merge_y(m1, l1, part, m2, l2, o2, soft, fma).astype(np.float16)  # §9.4
+
+
+def merge_y(m1, l1, part, m2, l2, o2, soft: bool, fma: bool = False) -> np.ndarray:
+    """§9.1–9.4 before the output's FP16 rounding: the binary32 rows y [R, d] that ``merge`` rounds."""
     _, w1, w2, den = merge_weights(m1, l1, m2, l2, soft)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # padding rows: 0/0
         if fma:
@@ -46,7 +51,7 @@ def merge(m1, l1, part, m2, l2, o2, soft: bool, fma: bool = False) -> np.ndarray
             num = fpmath.fma32_arrays(w1b, np.ascontiguousarray(part, F32), w2[:, None] * o2)
         else:
             num = w1[:, None] * part + w2[:, None] * o2
-        return (num * inv[:, None]).astype(np.float16)  # §9.4
+        return (num * inv[:, None]).astype(F32)
 
 
 def _expm1_up(x, soft: bool):
@@ -69,7 +74,7 @@ def score_bounds(cq, qstat, kvstat, qmul, nt, nh, k: CertConsts):
 def certificate(m1, l1, ad1, m2, l2, out, lo, lim, nh, cq, qstat, kvstat, qmul, k: CertConsts,
                 soft: bool) -> np.ndarray:
     """§9.7 for arrays of rows: the bound of ‖out − O‖₂. out [R, d] is the FP16 output, lo and lim [R]
-    the rows' first and last keys (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [5] =
+    the rows' first and last keys (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [9] = (kn, ek, k2n, vn, ev, …)
     (kn, ek, k2n, vn, ev) (§5.7)."""
     X = lambda x: _expm1_up(x, soft)  # noqa: E731
     q2n, k2n, vn, ev = qstat[:, 2], F32(kvstat[2]), F32(kvstat[3]), F32(kvstat[4])
@@ -94,3 +99,42 @@ def certificate(m1, l1, ad1, m2, l2, out, lo, lim, nh, cq, qstat, kvstat, qmul, 
         bound = np.where(den > 0, np.minimum(num / den + fin, triv), triv) * K_B  # step 10
         lost = ~np.isfinite(out).all(axis=1) | ((nh > 0) & (q2n * k2n >= F16_MAX))  # step 11
         return np.where(lost, F32(np.inf), bound).astype(F32)
+
+
+LN2 = F32(np.log(2))  # 0x3F317218
+
+
+def ssq4(x) -> np.ndarray:
+    """§9.8's channel sums of squares per row, in the kernel's fragment order: per lane t0 the channels
+    8·dn + 2·t0 + e (dn, then e), then (s₀ ⊕ s₁) ⊕ (s₂ ⊕ s₃)."""
+    x = np.asarray(x, F32)
+    s = [np.zeros(x.shape[0], F32) for _ in range(4)]
+    for t0 in range(4):
+        for dn in range(x.shape[1] // 8):
+            for e in range(2):
+                c = 8 * dn + 2 * t0 + e
+                s[t0] = s[t0] + x[:, c] * x[:, c]
+    return (s[0] + s[1]) + (s[2] + s[3])
+
+
+def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool) -> np.ndarray:
+    """§9.8 for arrays of rows: err_est, Z standard deviations of ‖out − O‖₂ under independent
+    zero-mean rounding and quantization errors. y [R, d] is the binary32 output that out rounds; sh
+    [R] the rows' shifts (§5.3); qstat as ``certificate``'s, kvstat [9] (§5.7, KV_STATS)."""
+    qn, eq = qstat[:, 0], qstat[:, 1]
+    kn, ek, vn, ev = (F32(x) for x in kvstat[5:9])  # §5.7's means
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        _, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
+        a1, b1, cl = eq * kn, qn * ek, cq * LN2  # step 1
+        s1 = ((a1 * a1 + b1 * b1) * (cl * cl)) * F32(1.0 / o2.shape[1])
+        x = vn * vn  # step 2
+        kappa = (s1 + k.rho) * x + ev * ev
+        sc = np.where(l2 > 0, np.abs(m2 + sh), F32(0)).astype(F32)  # step 3
+        ls = LN2 * sc
+        kappa2 = ((ls * ls) * k.cs + k.cp) * x
+        q2 = ssq4(o2)  # step 4
+        f2 = ssq4(out.astype(F32) - y)
+        vc = (w1 * w1) * (ws1 * kappa)  # step 5
+        vh = (w2 * w2) * (p2 * kappa2 + (F32(nh) * k.ca) * q2)
+        est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)  # step 6
+        return np.where(np.isfinite(out).all(axis=1), est, F32(np.inf)).astype(F32)  # step 7

@@ -77,7 +77,8 @@ class P1Mode(NamedTuple):
 
 class P1State(NamedTuple):
     """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold scale sum ad,
-    cold output o, and the output test's value-weighted sum lv (+0 under the mass test)."""
+    cold output o, the output test's value-weighted sum lv (+0 under the mass test) and the cold
+    Σ P̂² ws of §9.8."""
 
     m: np.ndarray
     la: np.ndarray
@@ -85,6 +86,7 @@ class P1State(NamedTuple):
     ad: np.ndarray
     o: np.ndarray
     lv: np.ndarray
+    ws: np.ndarray
 
 
 class P1Out(NamedTuple):
@@ -94,12 +96,13 @@ class P1Out(NamedTuple):
     m1: np.ndarray  # [16] f32
     l1: np.ndarray  # [16] f32
     ad1: np.ndarray  # [16] f32
+    ws1: np.ndarray  # [16] f32 (§9.8)
     hot_words: np.ndarray  # [W] u32
 
     @classmethod
     def new(cls, d: int, ntiles: int) -> "P1Out":
         return cls(np.zeros((ROWS, d), F32), np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
-                   np.zeros(-(-ntiles // 32), np.uint32))
+                   np.zeros(ROWS, F32), np.zeros(-(-ntiles // 32), np.uint32))
 
 
 @njit(cache=True)
@@ -252,15 +255,32 @@ def p1_update(x, runs, st, soft):
             st.lc[r] = st.lc[r] * alpha
             st.la[r] = st.la[r] * alpha
             st.ad[r] = st.ad[r] * alpha
+            st.ws[r] = (st.ws[r] * alpha) * alpha
             st.lv[r] = st.lv[r] * alpha
             st.m[r] = x[r]
+
+
+@njit(cache=True)
+def p1_self_sums(model, phat, runs, t2):
+    """§7.6 t2: per running row, the chain of P̂ᵣ against itself from C = +0 (`exact`: §3.3, else the
+    `sm90` chain, P̂ being FP16-exact), the tile's Σ P̂² of §9.8."""
+    zero, one = np.zeros((1, 1), F32), np.zeros((1, 1), F32)
+    for r in range(ROWS):
+        t2[r] = 0
+        if runs[r]:
+            row = phat[r:r + 1]
+            if model == EXACT:
+                mma_exact(row, row, zero, one)
+            else:
+                mma_sm90_f32(row, row, zero, one)
+            t2[r] = one[0, 0]
 
 
 @njit(cache=True)
 def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
     """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone (tv to lv) and
     sets its hot bit; a cold tile moves it to c, adds its sum to la and lc (tv to lv), its groups'
-    a_g to ad and its P̂·V̂ to o."""
+    a_g to ad, its Σ P̂² to ws (§9.8) and its P̂·V̂ to o."""
     if hot:
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
@@ -274,6 +294,8 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
                     st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
+        t2 = np.empty(ROWS, F32)
+        p1_self_sums(mode.model, phat, rows.runs, t2)
         p1_update(c, rows.runs, st, mode.soft)
         for r in range(ROWS):
             if rows.runs[r]:
@@ -282,6 +304,7 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
                     st.lv[r] = st.lv[r] + tl2[r, 1]
                 st.lc[r] = st.lc[r] + tl2[r, 0]
                 st.ad[r] = st.ad[r] + (((amass[r, 0] + amass[r, 1]) + amass[r, 2]) + amass[r, 3])
+                st.ws[r] = st.ws[r] + t2[r]
         fp4 = ops.fp4
         p1_mma(mode.model, phat, pcodes, pscales, ops.vhat_t[t], fp4.v_codes_t[t], fp4.v_scales_t[t],
                st.o, st.o)
@@ -305,7 +328,7 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
 
 @njit(cache=True, error_model="numpy")  # vg ⊘ lc is IEEE: +inf for lc = 0 (every cold P̂ zero), as in the kernel
 def p1_export(st, valid, mode, Kf, out):
-    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf per valid row; under ``direct_store``
+    """§7.10: part = o ⊗ vk, m1 = m, l1 = lc ⊗ Kf, ad1 = ad ⊗ Kf, ws1 = (ws ⊗ Kf) ⊗ Kf per valid row; under ``direct_store``
     a warp with no hot tile exports part = o ⊗ (vg ⊘ lc), §9.5's direct output."""
     direct = mode.direct and not out.hot_words.any()
     for r in range(ROWS):
@@ -316,13 +339,14 @@ def p1_export(st, valid, mode, Kf, out):
             out.m1[r] = st.m[r]
             out.l1[r] = st.lc[r] * Kf
             out.ad1[r] = st.ad[r] * Kf
+            out.ws1[r] = (st.ws[r] * Kf) * Kf
 
 
 @njit(cache=True)
 def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
     """Pass 1 of one warp (§7) over ``order`` (§6.4). Writes ``out`` and, if ``traced``, ``trace``."""
     st = P1State(np.full(ROWS, NEG_INF, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32),
-                 np.zeros((ROWS, ops.qhat.shape[1]), F32), np.zeros(ROWS, F32))
+                 np.zeros((ROWS, ops.qhat.shape[1]), F32), np.zeros(ROWS, F32), np.zeros(ROWS, F32))
     s = np.zeros((ROWS, TILE), F32)
     zero_s = np.zeros((ROWS, TILE), F32)
     phat = np.zeros((ROWS, TILE), F32)

@@ -20,7 +20,7 @@ from .kvstate import Stats, overflows
 F32 = np.float32
 FOUR, QMAX, E4M3_MAX, TINY = F32(4), F32(2688), F32(448), F32(1e-20)
 NRM_FLOOR, NRM_UP = F32(2.0**-126), F32(1 + 2.0**-10)  # §5.7
-KV_STATS = ("kn", "ek", "k2n", "vn", "ev")  # §5.7: the columns of Prepared.kvstat, in order
+KV_STATS = ("kn", "ek", "k2n", "vn", "ev", "km", "ekm", "vm", "evm")  # §5.7: the columns of Prepared.kvstat, in order
 # §5.10, the seed's prep_d: chunks of 16 tiles, at least 16 of them sampled, each summed by 32 key rows
 # whose sums 8 warps reduce in pairs
 CHUNK_KEYS, SAMPLED_CHUNKS, KEY_ROWS, WARP_ROWS = 1024, 16, 32, 4
@@ -86,6 +86,14 @@ def kmean_exact(k16: np.ndarray) -> np.ndarray:
     units = (k16.astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
     total = units.sum(axis=0)  # ok: int64, order-free
     return (total.astype(np.float64) / np.float64(k16.shape[0]) * 2.0**-24).astype(F32)
+
+
+def norm_mean(norms: np.ndarray) -> np.ndarray:
+    """§5.7's means [Hkv] of per-key norms [Hkv, n]: f16 of each, summed exactly as integers in units of
+    2⁻²⁴ (order-free), then §5.1's one binary64 division and one rounding."""
+    units = (_f16(norms).astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
+    total = units.sum(axis=1)  # ok: int64, order-free
+    return (total.astype(np.float64) / np.float64(max(norms.shape[1], 1)) * 2.0**-24).astype(F32)
 
 
 def head_scale(amax: np.ndarray) -> np.ndarray:
@@ -239,14 +247,15 @@ def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_nam
 
 
 def prep_k(k16: np.ndarray, S: int, first_key: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict):
-    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek [Hkv] over the
-    keys first_key .. S − 1."""
+    """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek, km, ekm [Hkv, 4]
+    over the keys first_key .. S − 1."""
     xk = k16 - kmean[:, None]
     xk *= (F32(1) / kg)[:, None, None]
     xk[:, S:] = 0
     khat = _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
     seen = slice(first_key, S)
-    return khat, nrm(khat[:, seen]).max(axis=1), nrm(xk[:, seen] - khat[:, seen]).max(axis=1)
+    n0, n1 = nrm(khat[:, seen]), nrm(xk[:, seen] - khat[:, seen])
+    return khat, np.stack([n0.max(axis=1), n1.max(axis=1), norm_mean(n0), norm_mean(n1)], axis=-1)
 
 
 def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
@@ -260,15 +269,17 @@ def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndar
 
 
 def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int) -> np.ndarray:
-    """§5.7's vn, ev [Hkv, 2] over the keys first_key .. S − 1, from the FP16 values v [S, Hkv, d] and V̂ᵀ
-    in slot order."""
+    """§5.7's vn, ev, vm, evm [Hkv, 4] over the keys first_key .. S − 1, from the FP16 values v [S, Hkv, d]
+    and V̂ᵀ in slot order (the means of the norms over vg, ⊗ vg: exact, vg being a power of two)."""
     S, Hkv, d = v.shape
     Hk, T = vhat_t.shape[:2]
     vhat = np.empty_like(vhat_t)
     vhat[..., slot_keys(p_groups)] = vhat_t  # back to key order
     vh = (vhat.transpose(0, 1, 3, 2).reshape(Hk, T * TILE, d)[:, first_key:S] * vg[:, None, None])  # exact: 2^k
     v32 = v[first_key:].astype(F32).transpose(1, 0, 2)
-    return np.stack([nrm(v32).max(axis=1), nrm(v32 - vh).max(axis=1)], axis=-1)
+    n3, n4 = nrm(v32), nrm(v32 - vh)
+    inv = (F32(1) / vg)[:, None]
+    return np.stack([n3.max(axis=1), n4.max(axis=1), norm_mean(n3 * inv) * vg, norm_mean(n4 * inv) * vg], axis=-1)
 
 
 def value_weights(v: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int, T: int) -> np.ndarray:
@@ -308,10 +319,11 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
     qhat, cq, sh, qstat = prep_q(q16, kmean, kg, qmul, cfg, fp4)
-    khat, kn, ek = prep_k(k16, S, first_key, kmean, kg, cfg, fp4)
+    khat, ks = prep_k(k16, S, first_key, kmean, kg, cfg, fp4)
     vhat_t = prep_v(v16_t, vg, cfg, fp4)
-    kvstat = np.concatenate([np.stack([kn, ek, nrm(k16[:, first_key:S]).max(axis=1)], axis=-1),
-                             v_stats(v, vhat_t, vg, cfg.p_groups, first_key)], axis=-1).astype(F32)
+    vs = v_stats(v, vhat_t, vg, cfg.p_groups, first_key)
+    kvstat = np.concatenate([ks[:, :2], nrm(k16[:, first_key:S]).max(axis=1)[:, None], vs[:, :2], ks[:, 2:],
+                             vs[:, 2:]], axis=-1).astype(F32)
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
         q16=q16, qhat=qhat, cq=cq, sh=sh, khat=khat, vhat_t=vhat_t,

@@ -54,6 +54,9 @@ def row_dtype(d: int) -> np.dtype:
             ("l2", "<f4"),
             ("ad1", "<f4"),
             ("err_bound", "<f4"),
+            ("ws1", "<f4"),
+            ("p2", "<f4"),
+            ("err_est", "<f4"),
             ("part", "<f4", (d,)),
             ("o2", "<f4", (d,)),
             ("out", "<f2", (d,)),
@@ -61,14 +64,14 @@ def row_dtype(d: int) -> np.dtype:
     )
 
 
-ROW_FIELDS = ("m1", "l1", "m2", "l2", "ad1", "err_bound", "part", "o2", "out")
+ROW_FIELDS = ("m1", "l1", "m2", "l2", "ad1", "err_bound", "ws1", "p2", "err_est", "part", "o2", "out")
 
 
 # The stages of a row in data-flow order with the trace fields each one writes (§7.10, §8.6, §9). A
 # frame m = −inf is no overflow: it means the stage saw no tile.
 STAGES = (
-    ("pass 1 (FP4 estimate of the cold tiles)", ("m1", "l1", "part")),
-    ("pass 2 (FP16 scores q·k, row max and sum)", ("m2", "l2")),
+    ("pass 1 (FP4 estimate of the cold tiles)", ("m1", "l1", "part", "ws1")),
+    ("pass 2 (FP16 scores q·k, row max and sum)", ("m2", "l2", "p2")),
     ("pass 2 (FP16 output accumulation P·V)", ("o2",)),
     ("the merge (FP16 output)", ("out",)),
 )

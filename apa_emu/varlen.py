@@ -90,13 +90,13 @@ def check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table=None) -> Se
 
 
 def pack(parts, q, cq):
-    """The sequences' results (§6.6) packed as one Result: ``out`` [total_q, H, d], ``err_bound``
-    [total_q, H], hot masks padded to the longest sequence's warps and words, trace records with
+    """The sequences' results (§6.6) packed as one Result: ``out`` [total_q, H, d], ``err_bound`` and
+    ``err_est`` [total_q, H], hot masks padded to the longest sequence's warps and words, trace records with
     b = the sequence; rows of skipped sequences (None) stay NaN."""
     done = [p for p in parts if p is not None]
     first = done[0]
     out = np.full(q.shape, np.nan, np.float16)
-    bound = np.full(q.shape[:2], np.nan, np.float32)
+    bound, est = np.full(q.shape[:2], np.nan, np.float32), np.full(q.shape[:2], np.nan, np.float32)
     shape = (len(parts), *(max(p.hot.shape[i] for p in done) for i in (1, 2, 3)))
     hot = np.zeros(shape, np.uint32)
     visits, rows = [], []
@@ -105,6 +105,7 @@ def pack(parts, q, cq):
             continue
         out[cq[b]:cq[b + 1]] = p.out
         bound[cq[b]:cq[b + 1]] = p.err_bound
+        est[cq[b]:cq[b + 1]] = p.err_est
         h = p.hot[0]
         hot[b, :h.shape[0], :h.shape[1], :h.shape[2]] = h
         for recs, acc in ((p.visits, visits), (p.rows, rows)):
@@ -113,7 +114,7 @@ def pack(parts, q, cq):
                 recs["b"] = b
                 acc.append(recs)
     return dataclasses.replace(
-        first, out=out, err_bound=bound, hot=hot,
+        first, out=out, err_bound=bound, err_est=est, hot=hot,
         active_tiles=sum(p.active_tiles for p in done), hot_tiles=sum(p.hot_tiles for p in done),
         visits=np.concatenate(visits) if visits else None, rows=np.concatenate(rows) if rows else None,
         meta=dict(first.meta, sequences=[None if p is None else p.meta for p in parts]))

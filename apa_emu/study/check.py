@@ -51,6 +51,7 @@ _RECORD_STAGES = {
     "hot": "pass 1 (hot-tile masks)",
     "out": "the merge (FP16 output)",
     "err_bound": "the certificate (err_bound)",
+    "err_est": "the error estimate (err_est)",
 }
 
 
@@ -128,6 +129,7 @@ def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=None, work
             elsewhere = (packed[others] // G, packed[others] % G)
             emu.out[elsewhere] = gpu.out[elsewhere]
             emu.err_bound[elsewhere] = gpu.err_bound[elsewhere]
+            emu.err_est[elsewhere] = gpu.err_est[elsewhere]
             emu.hot[:, :, rest] = gpu.hot[:, :, rest]
             found = _diverged(emu, gpu, f"{name} (KV head {hk}, {schedule} schedule)", q, k, v, dump.q_offset,
                               cfg, trace, schedule, place=lambda div, hk=hk: _in_dump(div, hk, G))
@@ -144,7 +146,7 @@ def _in_dump(div: dict, hk: int, G: int) -> dict:
     if div["where"] == "hot" and "index (b, hk, warp, word)" in div:
         b, _, w, word = div["index (b, hk, warp, word)"]
         div["index (b, hk, warp, word)"] = (b, hk, w, word)
-    if div["where"] in ("out", "err_bound") and "index" in div:
+    if div["where"] in ("out", "err_bound", "err_est") and "index" in div:
         row, head, *ch = div["index"]
         div["index"] = (row, hk * G + head, *ch)
     return div
