@@ -126,7 +126,7 @@ def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         _, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
         a1, b1, cl = eq * kn, qn * ek, cq * LN2  # step 1
-        s1 = ((a1 * a1 + b1 * b1) * (cl * cl)) * F32(1.0 / o2.shape[1])
+        s1 = ((a1 * a1 + b1 * b1) * (cl * cl)) * F32(2.0 / o2.shape[1])
         x = vn * vn  # step 2
         kappa = (s1 + k.rho) * x + ev * ev
         sc = np.where(l2 > 0, np.abs(m2 + sh), F32(0)).astype(F32)  # step 3

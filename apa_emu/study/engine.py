@@ -121,10 +121,11 @@ class Unit(NamedTuple):
 
 class UnitRun(NamedTuple):
     """One unit under one config, as the engine hands it back: only per-pair arrays, the unit's
-    pairs' FP16 outputs and certificates, and the hot masks of the unit's selected warps (others zero)."""
+    pairs' FP16 outputs, certificates and estimates, and the hot masks of the unit's selected warps (others zero)."""
 
     out: np.ndarray  # [p, d] FP16
     bound: np.ndarray  # [p] binary32 err_bound (numerics.md §9.7)
+    est: np.ndarray  # [p] binary32 err_est (§9.8), NaN from an engine that gives none
     hot: np.ndarray  # [warps, W] uint32
     sums: fp64.PairSums
     split: tuple | None  # (|hot part|, |cold part|, cold mass) of each pair's reference
@@ -154,7 +155,9 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
         ref = refs[scale]
         out = res.out[unit.rows, unit.heads]
         parts = (ref.hot_norm, ref.cold_norm, ref.cold_mass)
-        runs.append(UnitRun(out, res.err_bound[unit.rows, unit.heads], hot, metrics(engine, out, ref.out),
+        est = (np.full(len(unit.rows), np.nan, np.float32) if res.err_est is None
+               else res.err_est[unit.rows, unit.heads])
+        runs.append(UnitRun(out, res.err_bound[unit.rows, unit.heads], est, hot, metrics(engine, out, ref.out),
                             tuple(fp64.host(a) for a in parts) if split else None,
                             _in_dump(res.visits, hk), _in_dump(res.rows, hk)))
     return runs

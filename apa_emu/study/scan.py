@@ -21,6 +21,8 @@ from .fp64 import PairSums, cos_rel
 
 NONFINITE_SHOWN = 5  # non-finite pairs, and pairs whose certificate fails, named in a scan's report
 GOOD_COS = 0.999  # the tables count the pairs below this cosine
+WORST = 20  # how many of the worst pairs a ranking without the reference should find (issue 32's target)
+OVER = 30  # an estimate this many times the error is too loose to rank by
 
 @dataclass
 class Pairs:
@@ -81,12 +83,14 @@ class Scan:
     (an FP16 stage overflowed, numerics.md §8) has NaN cosine and relative L2; ``summary`` and the
     histogram's cosine bins cover the finite pairs only (``summary`` is None when there is none).
     The hot share counts the warps that hold the selected pairs. ``bound`` is the engine's
-    certificate of each pair (numerics.md §9.7), ``certificate`` how it fares against ``error``."""
+    certificate of each pair (numerics.md §9.7), ``certificate`` how it fares against ``error``;
+    ``est`` its estimate (§9.8), ``estimate`` the same for it."""
 
     config: Config
     pairs: Pairs
     out: np.ndarray  # [pairs, d] FP16
     bound: np.ndarray  # [pairs] binary32 err_bound, an upper bound of ‖out − exact‖₂
+    est: np.ndarray  # [pairs] binary32 err_est, an estimate of it (NaN: the engine gives none)
     sums: PairSums
     finite: np.ndarray  # [pairs] bool: the output is finite
     hot_tiles: int
@@ -127,11 +131,46 @@ class Scan:
         held = bound >= err  # a NaN bound holds nothing
         missed = np.flatnonzero(f)[~held]
         over_err, over_ref = bound[err > 0] / err[err > 0], bound[ref > 0] / ref[ref > 0]
-        stat = lambda fn, x: float(fn(x)) if x.size else np.nan  # noqa: E731
-        return dict(coverage=stat(np.mean, held), violations=int(missed.size),
+        return dict(coverage=_stat(np.mean, held), violations=int(missed.size),
                     first_violations=self._pair_list(missed[:NONFINITE_SHOWN]),
-                    infinite=int(np.isinf(bound).sum()), bound_over_err_min=stat(np.min, over_err),
-                    bound_over_err_median=stat(np.median, over_err), bound_over_ref_median=stat(np.median, over_ref))
+                    infinite=int(np.isinf(bound).sum()), bound_over_err_min=_stat(np.min, over_err),
+                    bound_over_err_median=_stat(np.median, over_err), bound_over_ref_median=_stat(np.median, over_ref),
+                    worst20_found=self.found("bound"))
+
+    @cached_property
+    def estimate(self) -> dict:
+        """The estimate over the finite pairs: ``coverage``, the share whose estimate is at least the
+        measured error (§9.8 claims about 0.999, not 1: ``under`` counts the rest), how tight it is
+        (est/error median and largest, pairs over 30×, est/‖ref‖ median), and how many of the true worst
+        pairs its ranking finds (``worst20_found``). None when the engine gives no estimate."""
+        f = self.finite & ~np.isnan(self.est)
+        if not f.any():
+            return None
+        est, err, ref = self.est[f].astype(np.float64), self.error[f], self.ref_norm[f]
+        over_err, over_ref = est[err > 0] / err[err > 0], est[ref > 0] / ref[ref > 0]
+        return dict(coverage=_stat(np.mean, est >= err), under=int((est < err).sum()),
+                    est_over_err_median=_stat(np.median, over_err), est_over_err_max=_stat(np.max, over_err),
+                    over_30=int((over_err > OVER).sum()), est_over_ref_median=_stat(np.median, over_ref),
+                    worst20_found=self.found("est"))
+
+    def rank_key(self, by: str) -> np.ndarray:
+        """A key per pair, lowest for the worst. ``cos``: the cosine against the float64 reference;
+        ``est`` or ``bound``: without it, minus err_est or err_bound over ‖out‖, the relative error they
+        predict. Non-finite outputs come first, pairs with no estimate last."""
+        if by == "cos":
+            return np.where(self.finite, self.cos, -np.inf)
+        score = {"est": self.est, "bound": self.bound}[by].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = score / np.sqrt(self.sums.out_sq)
+        return np.where(self.finite, np.where(np.isnan(rel), np.inf, -rel), -np.inf)
+
+    def rank(self, by: str) -> np.ndarray:
+        """Pair indices, worst first by ``rank_key``."""
+        return np.argsort(self.rank_key(by), kind="stable")
+
+    def found(self, by: str, n: int = WORST) -> int:
+        """How many of the n worst pairs by cosine are among the n worst by ``by`` ("est" or "bound")."""
+        return len(set(self.order()[:n].tolist()) & set(self.rank(by)[:n].tolist()))
 
     @cached_property
     def summary(self) -> Summary | None:
@@ -163,7 +202,7 @@ class Scan:
 
     def order(self) -> np.ndarray:
         """Pair indices, worst first: non-finite pairs, then by cosine."""
-        return np.argsort(np.where(self.finite, self.cos, -np.inf), kind="stable")
+        return self.rank("cos")
 
     def _pair_list(self, index) -> list[tuple[int, int]]:
         return list(zip(self.pairs.rows[index].tolist(), self.pairs.heads[index].tolist()))
@@ -174,7 +213,7 @@ class Scan:
     def to_json(self) -> dict:
         bad = self.nonfinite_pairs()
         return dict(pairs=len(self.pairs), summary=None if self.summary is None else self.summary.as_dict(),
-                    errors=self.errors(), certificate=self.certificate,
+                    errors=self.errors(), certificate=self.certificate, estimate=self.estimate,
                     nonfinite=dict(count=len(bad), first=bad[:NONFINITE_SHOWN]), histogram=self.histogram)
 
     @classmethod
@@ -183,9 +222,14 @@ class Scan:
         cat = lambda xs: np.concatenate(list(xs))  # noqa: E731
         split = None if any(s.split is None for s in scans) else tuple(cat(p) for p in zip(*(s.split for s in scans)))
         return cls(scans[0].config, Pairs(cat(s.pairs.rows for s in scans), cat(s.pairs.heads for s in scans)),
-                   cat(s.out for s in scans), cat(s.bound for s in scans), PairSums.concat([s.sums for s in scans]),
+                   cat(s.out for s in scans), cat(s.bound for s in scans), cat(s.est for s in scans),
+                   PairSums.concat([s.sums for s in scans]),
                    cat(s.finite for s in scans), sum(s.hot_tiles for s in scans), sum(s.active_tiles for s in scans),
                    scans[0].engine, split=split)
+
+
+def _stat(fn, x) -> float:
+    return float(fn(x)) if x.size else np.nan
 
 
 def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None) -> list[list[Scan]]:
@@ -202,7 +246,7 @@ def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
     dump, P = job.dump, len(job.pairs)
     shape = Shape(B=1, n=dump.n, H=dump.nh, Hkv=dump.nkv, S=dump.kv, d=dump.hd, q_offset=dump.q_offset)
     out = np.empty((P, dump.hd), np.float16)
-    bound = np.empty(P, np.float32)
+    bound, est = np.empty(P, np.float32), np.empty(P, np.float32)
     sums = PairSums(*(np.empty(P) for _ in PairSums._fields))
     split = (np.empty(P), np.empty(P), np.empty(P)) if parts and parts[0][1].split is not None else None
     hot = np.zeros((1, shape.Hkv, shape.nw, shape.W), np.uint32)
@@ -210,6 +254,7 @@ def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
     for unit, run in parts:
         out[unit.index] = run.out
         bound[unit.index] = run.bound
+        est[unit.index] = run.est
         for dst, src in zip(sums + (split or ()), run.sums + (run.split or ())):
             dst[unit.index] = src
         hot[0, unit.hk] = run.hot
@@ -217,14 +262,15 @@ def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:
         active += int((shape.last_tiles(unit.warps) + 1).sum())
     full = np.full((dump.n, dump.nh, dump.hd), np.nan, np.float16)
     full[job.pairs.rows, job.pairs.heads] = out
-    full_bound = np.full((dump.n, dump.nh), np.nan, np.float32)
+    full_bound, full_est = np.full((2, dump.n, dump.nh), np.nan, np.float32)
     full_bound[job.pairs.rows, job.pairs.heads] = bound
+    full_est[job.pairs.rows, job.pairs.heads] = est
     traces = [np.concatenate(x) if x else None for x in ([r.visits for _, r in parts if r.visits is not None],
                                                         [r.rows for _, r in parts if r.rows is not None])]
-    result = Result(out=full, err_bound=full_bound, hot=hot, active_tiles=active, hot_tiles=hot_tiles, config=cfg,
+    result = Result(out=full, err_bound=full_bound, err_est=full_est, hot=hot, active_tiles=active, hot_tiles=hot_tiles, config=cfg,
                     visits=traces[0], rows=traces[1],
                     meta=dict(G=shape.G, R=shape.R, nw=shape.nw, ntiles=shape.ntiles, engine=engine))
-    return Scan(cfg, job.pairs, out, bound, sums, np.isfinite(out).all(axis=1), hot_tiles, active, engine, result,
+    return Scan(cfg, job.pairs, out, bound, est, sums, np.isfinite(out).all(axis=1), hot_tiles, active, engine, result,
                 split)
 
 

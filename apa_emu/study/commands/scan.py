@@ -1,4 +1,5 @@
-"""``apa scan``: every selected pair against float64 attention, and the error certificate (§9.7).
+"""``apa scan``: every selected pair against float64 attention, the error certificate (§9.7) and the
+error estimate (§9.8).
 
 The study itself, ``scan_jobs`` and its ``Scan``, lives in the library's ``scan``: every other study
 builds on it."""
@@ -9,7 +10,7 @@ from ..report import emit, table
 from ..scan import Scan, scan_jobs
 from . import common
 
-HELP = "every (row, head) pair vs float64: cosines, relative L2, hot share, the error certificate"
+HELP = "every (row, head) pair vs float64: cosines, relative L2, hot share, the error certificate and estimate"
 COLUMNS = {
     **common.shared_columns("dump"),
     "pairs": "the pairs measured (in the table of one dump: the finite ones, which the cosines cover; in the "
@@ -39,15 +40,33 @@ CERTIFICATE = {
     "bound_over_err_median": "its median (the larger, the looser the bound)",
     "bound_over_ref_median": "bound / |float64 attention|, median: the bound as a relative error",
     "first violations (row, head)": "the first few pairs of violations",
+    "worst20_found": "how many of the 20 lowest-cosine pairs are among the 20 that err_bound / |out| ranks worst "
+                     "(apa worst --by bound)",
+}
+ESTIMATE = {
+    "coverage": "share of the pairs whose estimate is at least the error (§9.8 aims at about 0.999)",
+    "under": "pairs whose estimate is below the error",
+    "est_over_err_median": "estimate / error, median over the pairs with an error (§9.8 aims at about 2)",
+    "est_over_err_max": "its largest value",
+    "over_30": "pairs whose estimate is more than 30 times their error",
+    "est_over_ref_median": "estimate / |float64 attention|, median: the estimate as a relative error",
+    "worst20_found": "how many of the 20 lowest-cosine pairs are among the 20 that err_est / |out| ranks worst "
+                     "(apa worst --by est)",
 }
 EPILOG = common.study_epilog(
     common.columns_epilog(COLUMNS) + "\n\n"
     + common.columns_epilog(CERTIFICATE, "certificate (docs/numerics.md §9.7), over the finite pairs: err_bound, "
                             "the engine's upper bound of |out − exact| of each pair, against its measured error "
-                            "|out − float64 attention|"))
+                            "|out − float64 attention|") + "\n\n"
+    + common.columns_epilog(ESTIMATE, "estimate (docs/numerics.md §9.8), over the finite pairs: err_est, the "
+                            "engine's estimate of |out − exact| of each pair (two standard deviations of a model "
+                            "of independent rounding errors), against the measured error"))
 
 _CERT_TITLE = "certificate err_bound (§9.7)"
-_CERT = ["coverage", "violations", "infinite", "bound_over_err_min", "bound_over_err_median", "bound_over_ref_median"]
+_CERT = ["coverage", "violations", "infinite", "bound_over_err_min", "bound_over_err_median", "bound_over_ref_median",
+         "worst20_found"]
+_EST_TITLE = "estimate err_est (§9.8)"
+_EST = list(ESTIMATE)
 
 
 def add_arguments(p) -> None:
@@ -73,9 +92,11 @@ def _pooled(args, jobs, cfg, engine, scans, title) -> None:
     named = [*((j.name, s) for j, s in zip(jobs, scans)), ("pooled", pooled)]
     rows = [_scan_row(name, s) for name, s in named]
     cert = [[name, *(s.certificate[c] for c in _CERT)] for name, s in named]
+    est = [[name, *(s.estimate[c] for c in _EST)] for name, s in named if s.estimate]
     emit(args.json, common.payload(jobs, cfg, engine, per_dump=common.per_dump(jobs, (s.to_json() for s in scans)),
                                    pooled=pooled.to_json()),
          [table(title, cols, rows), table(_CERT_TITLE, ["dump", *_CERT], cert),
+          *([table(_EST_TITLE, ["dump", *_EST], est)] if est else []),
           table("per-pair cosine, pooled", ["bin", "pairs"], pooled.histogram)])
 
 
@@ -93,8 +114,10 @@ def _one(args, jobs, cfg, engine, scan: Scan, title) -> None:
     cert_rows = [(c, cert[c]) for c in _CERT]
     if cert["violations"]:
         cert_rows.append(("first violations (row, head)", _pair_text(cert["first_violations"])))
+    est = report["estimate"]
     emit(args.json, common.payload(jobs, cfg, engine, **report),
          [table(title, ["metric", "value"], rows), table(_CERT_TITLE, ["metric", "value"], cert_rows),
+          *([table(_EST_TITLE, ["metric", "value"], [(c, est[c]) for c in _EST])] if est else []),
           table("per-pair cosine", ["bin", "pairs"], scan.histogram)])
 
 
