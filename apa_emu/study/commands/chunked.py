@@ -43,5 +43,5 @@ def run(args) -> None:
                          *(got[c] for c in _CHUNKED)])
     title = (f"{common.named(jobs, 'apa chunked')} ({engine.name}, eps={cfg.eps}): whole-prompt prefill against "
              f"chunks of {args.chunk} query rows through a KV state (§5.9), every pair vs float64")
-    emit(args.json, common.payload(jobs, cfg, engine, per_dump=common.per_dump(jobs, (r.to_json() for r in reports))),
+    emit(args.json, common.payload(args, jobs, cfg, engine, per_dump=common.per_dump(jobs, (r.to_json() for r in reports))),
          [table(title, ["dump", "prefill", "chunks", "restats", "frozen (chunk, KV head)", *_CHUNKED], rows)])

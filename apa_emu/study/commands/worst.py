@@ -60,6 +60,6 @@ def run(args) -> None:
     records = [dict(dump=jobs[j].name, **d.to_json()) if many else d.to_json() for j, d in diags]
     cols = ["dump"] * many + ["row", "head", "cos", "rel_l2", "hot_tiles", "tiles", "cold_mass_fp4", "cold_mass_f64",
                               "cold_out_rel", "max_qk", "max_o16", "overflow"]
-    emit(args.json, common.payload(jobs, cfg, engine, worst=records),
+    emit(args.json, common.payload(args, jobs, cfg, engine, worst=records),
          [table(f"{common.named(jobs, 'apa worst')}: {len(diags)} lowest-cosine pairs", cols,
                 [[r[c] for c in cols] for r in records])])
