@@ -136,6 +136,7 @@ def numpy_cupy(free_bytes=64 << 30):
     """A module named cupy that is NumPy, with the few device calls the GPU engine makes."""
     m = types.ModuleType("cupy")
     m.__dict__.update({k: v for k, v in np.__dict__.items() if not k.startswith("__")})
+
     @contextmanager
     def device(i):
         yield

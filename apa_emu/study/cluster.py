@@ -106,12 +106,15 @@ def _gpu_names(spec: Spec, engine) -> list[str]:
 # What a local cluster's nannies put in the environment of the workers they start. Not Dask's default,
 # which pins BLAS to one thread: NumPy's float64 products round by a blocking that follows the thread
 # count, so the reference would differ from this process's in its last bits. And the workers' own
-# logs at ERROR: their start and stop are the runner's business, not the user's.
-WORKER_ENVIRON = {"DASK_LOGGING__DISTRIBUTED": "error"}
+# logs only when critical: their start and stop, and a unit's failure (which UnitsFailed names in one
+# line), are the runner's business.
+WORKER_ENVIRON = {"DASK_LOGGING__DISTRIBUTED": "critical"}
 
 
 @contextmanager
-def _local(spec: Spec, engine):
+def local(spec: Spec, engine):
+    """A local cluster for ``spec`` (no address) and ``engine``: one worker per GPU where it runs on
+    GPUs, else CPU workers."""
     distributed = _dask()
     import dask
 
@@ -121,7 +124,7 @@ def _local(spec: Spec, engine):
 
 
 def _start_local(distributed, spec: Spec, gpus: list[str]):
-    quiet = dict(silence_logs=40)  # logging.ERROR, for the scheduler and nannies of this process
+    quiet = dict(silence_logs=50)  # logging.CRITICAL, for the scheduler and nannies of this process
     if gpus and len(set(gpus)) == len(gpus):
         try:
             from dask_cuda import LocalCUDACluster
@@ -138,7 +141,7 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
         workers = {f"cpu{i}": {"cls": distributed.Nanny, "options": dict(nthreads=1)}
                    for i in range(spec.workers or cpus)}
     return distributed.SpecCluster(workers=workers, scheduler={"cls": distributed.Scheduler, "options": dict(
-        dashboard=False, dashboard_address=None)}, **quiet)
+        dashboard=False, dashboard_address=":0")}, **quiet)
 
 
 class Runner:
@@ -161,7 +164,7 @@ class Runner:
             for done, future in enumerate(_dask().as_completed(futures), 1):
                 i = index[future.key]
                 if future.status == "error":
-                    failed.append(_failure(dumps[units[i].dump], units[i], configs, future.exception()))
+                    failed.append((i, _failure(dumps[units[i].dump], units[i], configs, future.exception())))
                 else:
                     worker, seconds, runs[i] = future.result()
                     mine = self.timing.setdefault(worker, dict(units=0, seconds=0.0))
@@ -173,7 +176,7 @@ class Runner:
         finally:
             self.client.cancel([f for f in futures if not f.done()], force=True)
         if failed:
-            raise UnitsFailed(failed)
+            raise UnitsFailed([line for _, line in sorted(failed)])
         return runs
 
     def report(self) -> dict:
@@ -208,12 +211,12 @@ def cluster(spec: Spec, engine):
         if spec.address:
             try:
                 client = distributed.Client(spec.address, timeout=CONNECT_TIMEOUT_S)
-            except (OSError, TimeoutError) as e:
-                raise ValueError(f"--cluster {spec.address}: no scheduler answered within {CONNECT_TIMEOUT_S} s "
-                                 f"({e})") from None
+            except OSError:  # distributed's connect timeout is an OSError too
+                raise ValueError(f"--cluster {spec.address}: no scheduler answered within {CONNECT_TIMEOUT_S} s") \
+                    from None
         else:
-            local = stack.enter_context(_local(spec, engine))
-            client = distributed.Client(local)
+            local_cluster = stack.enter_context(local(spec, engine))
+            client = distributed.Client(local_cluster)
         stack.enter_context(client)
         runner = Runner(client, spec)
         with units_on(runner):

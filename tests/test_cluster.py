@@ -1,0 +1,202 @@
+"""The studies' units on a Dask cluster (issue 34), against the same studies in one process: the
+JSON of scan, attribute --worst 5 and sweep field by field (metrics bitwise), a worker killed after
+its first unit with nothing lost or counted twice, a unit that fails twice named with the rest run,
+Ctrl-C leaving no worker, and the one-line errors of --cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from apa_emu import Config
+from apa_emu.engines import CpuEngine
+from apa_emu.study import cluster, scan
+from apa_emu.study.cli import main
+from apa_emu.study.dump import read_dump, write_dump
+from apa_emu.study.engine import UnitsFailed
+from apa_emu.study.synth import synthetic
+
+distributed = pytest.importorskip("distributed")  # the test extra installs it: CI runs these
+pytest.importorskip("rich")
+
+STUDIES = {"scan": [], "attribute": ["--worst", "5"], "sweep": ["--eps", "-1", "0.01", "1e9"]}
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """Two small dumps: a (48 rows, 320 keys, 6/2 heads) and b (32 rows, 2500 keys, 4/2 heads, a
+    strong sink); four units (dump, KV head) in all."""
+    root = tmp_path_factory.mktemp("cluster")
+    made = (("a", synthetic(48, 320, 6, 2, 64, seed=4)), ("b", synthetic(32, 2500, 4, 2, 64, seed=5, sink=16.0)))
+    return [str(write_dump(root / f"{name}.apadump", d.q, d.k, d.v, d.q_offset)) for name, d in made]
+
+
+def study(capsys, command, dumps, *extra) -> dict:
+    assert main([command, *dumps, *STUDIES[command], "--backend", "cpu", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def single(dumps):
+    """Each study's JSON in this process: the oracle."""
+    out = {}
+    for command in STUDIES:
+        with contextlib.redirect_stdout(io.StringIO()) as f:
+            assert main([command, *dumps, *STUDIES[command], "--backend", "cpu", "--json"]) == 0
+        out[command] = json.loads(f.getvalue())
+    return out
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    """A local cluster of 2 CPU workers, as --cluster local:2 starts it, for the tcp:// spelling."""
+    with cluster.local(cluster.Spec(workers=2), CpuEngine()) as local:
+        yield local.scheduler_address
+
+
+def without_timing(report: dict) -> tuple[dict, dict]:
+    report = dict(report)
+    return report, report.pop("cluster")
+
+
+@pytest.mark.parametrize("command", list(STUDIES))
+def test_a_study_on_the_cluster_is_the_single_process_one(capsys, dumps, single, scheduler, command):
+    report, timing = without_timing(study(capsys, command, dumps, "--cluster", scheduler))
+    assert report == single[command]
+    assert timing["cluster"] == scheduler and len(timing["workers"]) == 2  # both workers took units
+    assert all(t["units"] >= 1 and t["seconds"] > 0 for t in timing["workers"].values())
+
+
+def test_cluster_local_starts_its_own_workers(capsys, dumps, single):
+    report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
+    assert report == single["scan"]
+    assert timing["cluster"] == "local:2" and sorted(timing["workers"]) == ["cpu0", "cpu1"]
+    assert sum(t["units"] for t in timing["workers"].values()) == 4  # (dump, KV head): 2 + 2
+
+
+class DieAfterFirstUnit(distributed.WorkerPlugin):
+    """Ends its worker's process once its first unit is done, before the scheduler hears of it: the
+    first worker to get there claims ``marker`` and dies; the nanny starts a new one."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish != "memory" or not str(key).startswith(cluster.KEY):
+            return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, str(key).encode())
+        os.close(fd)
+        os._exit(1)
+
+
+def test_a_worker_killed_mid_study_loses_nothing(capsys, dumps, single, tmp_path):
+    marker = tmp_path / "died"
+    with cluster.local(cluster.Spec(workers=2), CpuEngine()) as local, distributed.Client(local) as client:
+        before = set(client.scheduler_info()["workers"])
+        client.register_plugin(DieAfterFirstUnit(str(marker)))
+        report, timing = without_timing(study(capsys, "attribute", dumps, "--cluster", local.scheduler_address))
+        client.wait_for_workers(2, timeout=30)
+        after = set(client.scheduler_info()["workers"])
+    assert marker.read_text().startswith(cluster.KEY)  # a worker did die with a unit done
+    assert before - after  # and its process is gone, a new one in its place
+    want = single["attribute"]
+    for got, oracle in zip(report["per_dump"], want["per_dump"]):
+        assert got["pairs"] == oracle["pairs"]  # the same pairs, (row, head) by (row, head), none twice
+        assert len(got["pairs"]) == len(set(map(tuple, got["pairs"]))) == 5
+        for name, variant in got["variants"].items():
+            assert variant["pairs"] == len(variant["cos"]) == oracle["variants"][name]["pairs"]
+    assert report == want  # every cosine bitwise
+    # Each unit gathered once: the first pass's (dump, KV head) units, then those holding the worst pairs.
+    worst_heads = {(d, h // group) for d, (part, group) in enumerate(zip(want["per_dump"], (3, 2)))
+                   for _, h in part["pairs"]}
+    assert sum(t["units"] for t in timing["workers"].values()) == 4 + len(worst_heads)
+
+
+class Broken(CpuEngine):
+    """The emulator, failing on every unit of dump b (2500 keys)."""
+
+    name = "broken"
+
+    def run(self, call, config, *, progress=None):
+        if call.shape.S == 2500:
+            raise RuntimeError("planted failure")
+        return super().run(call, config, progress=progress)
+
+
+def test_a_unit_failing_twice_is_named_and_the_rest_run(capsys, dumps, scheduler, monkeypatch):
+    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
+    with pytest.raises(UnitsFailed) as failed, cluster.cluster(cluster.Spec(address=scheduler), Broken()) as runner:
+        scan.scan_jobs(jobs, Config(), Broken())
+    assert failed.value.lines == [f"dump b.apadump, KV head {hk}, config default config: RuntimeError: planted failure"
+                                  for hk in (0, 1)]
+    assert sum(t["units"] for t in runner.timing.values()) == 2  # dump a's two units ran all the same
+    monkeypatch.setenv("APA_ENGINES", f"broken={__name__}:Broken")
+    assert main(["scan", *dumps, "--backend", "broken", "--cluster", scheduler]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "apa: error: 2 units failed twice:" and len(err) == 3 and "KV head 1" in err[2]
+
+
+def test_ctrl_c_leaves_no_worker(dumps):
+    import psutil
+
+    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with cluster.cluster(cluster.Spec(workers=2), CpuEngine()) as runner:
+            pids = list(runner.client.run(os.getpid).values())
+            scan.scan_jobs(jobs, Config(), CpuEngine(), progress=interrupt)
+    assert len(pids) == 2
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not alive
+
+
+def test_one_line_errors(capsys, dumps, monkeypatch):
+    def error(*argv) -> str:
+        assert main(["scan", dumps[0], "--rows", "0:2", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        return err
+
+    assert error("--cluster", "local:x") == ("apa: error: scan: argument --cluster: local:N needs N, the workers, an "
+                                             "integer >= 1, got 'local:x'\n")
+    assert "expected local, local:N or tcp://HOST:PORT, got 'tcp://h'" in error("--cluster", "tcp://h")
+    assert error("--cluster", "local", "--devices", "0") == ("apa: error: --devices is --cluster local on those GPUs: "
+                                                             "give one of them\n")
+    assert "leave --workers out" in error("--cluster", "local", "--workers", "2")
+    monkeypatch.setattr(cluster, "CONNECT_TIMEOUT_S", 1)
+    assert error("--cluster", "tcp://127.0.0.1:1") == ("apa: error: --cluster tcp://127.0.0.1:1: no scheduler "
+                                                       "answered within 1 s\n")
+    monkeypatch.setitem(sys.modules, "distributed", None)
+    assert error("--cluster", "local") == ("apa: error: --cluster runs the study on Dask, which is not installed: "
+                                           "pip install -e '.[cluster]'\n")
+
+
+def test_devices_name_the_workers_gpus(monkeypatch):
+    # An engine on CuPy, as far as the cluster asks: the module's name and the GPUs this process sees.
+    OnGpus = SimpleNamespace(xp=SimpleNamespace(__name__="cupy", cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDeviceCount=lambda: 2))))
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert cluster._gpu_names(cluster.Spec(), OnGpus) == ["4", "6"]
+    assert cluster._gpu_names(cluster.Spec(workers=1), OnGpus) == ["4"]
+    assert cluster._gpu_names(cluster.on_devices((1, 0, 1)), OnGpus) == ["6", "4", "6"]
+    with pytest.raises(ValueError, match="^--devices: GPU 2 is not there \\(2 visible\\)$"):
+        cluster._gpu_names(cluster.on_devices((2,)), OnGpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cluster._gpu_names(cluster.Spec(), OnGpus) == ["0", "1"]
+    assert cluster._gpu_names(cluster.Spec(workers=3), CpuEngine()) == []
+    assert (cluster.parse("local"), cluster.parse("local:3"), cluster.parse("tcp://host:8786")) == (
+        cluster.Spec(), cluster.Spec(workers=3), cluster.Spec(address="tcp://host:8786"))
