@@ -26,7 +26,7 @@ _CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "nonfinite", "vio
 
 
 def add_arguments(p) -> None:
-    common.study_options(p)
+    common.study_options(p, units=False)  # a chunked prefill is one call per chunk in order, no units to spread
     p.add_argument("--chunk", type=common.count, default=512, metavar="C", help="query rows per chunk")
     common.eps(p)
 

@@ -58,9 +58,10 @@ def _devices(text: str) -> tuple[int, ...]:
     return devices
 
 
-def study_options(p, many=True) -> None:
+def study_options(p, many=True, units=True) -> None:
     """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
-    and --json."""
+    and --json; and where the study's work is ``run_units``'s (``units``) and it takes many dumps,
+    --cluster and --devices."""
     if many:
         p.add_argument("dumps", nargs="*", metavar="DUMP",
                        help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
@@ -74,7 +75,7 @@ def study_options(p, many=True) -> None:
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
                         "the same numbers")
-    if many:
+    if many and units:
         p.add_argument("--cluster", type=cluster.parse, metavar="local[:N] | tcp://HOST:PORT",
                        help="run the (dump, KV head) units on Dask (the cluster extra): local starts one worker "
                             "per GPU, or N (default: one per CPU) on the CPU; tcp://HOST:PORT uses a running "
