@@ -1,7 +1,7 @@
 """The studies' units on a Dask cluster (issue 34), against the same studies in one process: the
 JSON of scan, attribute --worst 5 and sweep field by field (metrics bitwise), a worker killed after
-its first unit with nothing lost or counted twice, a unit that fails twice named with the rest run,
-Ctrl-C leaving no worker, and the one-line errors of --cluster."""
+its first unit with nothing lost or counted twice, a unit that fails twice named and its pairs alone
+left out, Ctrl-C leaving no worker, and the one-line errors of --cluster."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from apa_emu import Config
@@ -19,7 +20,6 @@ from apa_emu.engines import CpuEngine
 from apa_emu.study import cluster, scan
 from apa_emu.study.cli import main
 from apa_emu.study.dump import read_dump, write_dump
-from apa_emu.study.engine import UnitsFailed
 from apa_emu.study.synth import synthetic
 
 distributed = pytest.importorskip("distributed")  # the test extra installs it: CI runs these
@@ -28,13 +28,16 @@ pytest.importorskip("rich")
 STUDIES = {"scan": [], "attribute": ["--worst", "5"], "sweep": ["--eps", "-1", "0.01", "1e9"]}
 
 
+# Two small dumps: a (48 rows, 320 keys, 6/2 heads) and b (32 rows, 2500 keys, 4/2 heads, a strong
+# sink); four units (dump, KV head) in all. Made at import, so that a worker that imports this module
+# for Broken knows b's KV head 1 by its keys.
+DUMPS = {"a": synthetic(48, 320, 6, 2, 64, seed=4), "b": synthetic(32, 2500, 4, 2, 64, seed=5, sink=16.0)}
+
+
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    """Two small dumps: a (48 rows, 320 keys, 6/2 heads) and b (32 rows, 2500 keys, 4/2 heads, a
-    strong sink); four units (dump, KV head) in all."""
     root = tmp_path_factory.mktemp("cluster")
-    made = (("a", synthetic(48, 320, 6, 2, 64, seed=4)), ("b", synthetic(32, 2500, 4, 2, 64, seed=5, sink=16.0)))
-    return [str(write_dump(root / f"{name}.apadump", d.q, d.k, d.v, d.q_offset)) for name, d in made]
+    return [str(write_dump(root / f"{name}.apadump", d.q, d.k, d.v, d.q_offset)) for name, d in DUMPS.items()]
 
 
 def study(capsys, command, dumps, *extra) -> dict:
@@ -123,27 +126,40 @@ def test_a_worker_killed_mid_study_loses_nothing(capsys, dumps, single, tmp_path
 
 
 class Broken(CpuEngine):
-    """The emulator, failing on every unit of dump b (2500 keys)."""
+    """The emulator, failing on every call of dump b's KV head 1."""
 
     name = "broken"
 
     def run(self, call, config, *, progress=None):
-        if call.shape.S == 2500:
+        if np.array_equal(np.asarray(call.k)[0, :, 0], DUMPS["b"].k[:, 1]):
             raise RuntimeError("planted failure")
         return super().run(call, config, progress=progress)
 
 
-def test_a_unit_failing_twice_is_named_and_the_rest_run(capsys, dumps, scheduler, monkeypatch):
+def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, single, scheduler, monkeypatch):
     jobs = [scan.Job.of(read_dump(p)) for p in dumps]
-    with pytest.raises(UnitsFailed) as failed, cluster.cluster(cluster.Spec(address=scheduler), Broken()) as runner:
-        scan.scan_jobs(jobs, Config(), Broken())
-    assert failed.value.lines == [f"dump b.apadump, KV head {hk}, config default config: RuntimeError: planted failure"
-                                  for hk in (0, 1)]
-    assert sum(t["units"] for t in runner.timing.values()) == 2  # dump a's two units ran all the same
+    with cluster.cluster(cluster.Spec(address=scheduler), Broken()) as runner:
+        scans = scan.scan_jobs(jobs, Config(), Broken())
+    assert runner.failed == ["dump b.apadump, KV head 1, config default config: RuntimeError: planted failure"]
+    assert sum(t["units"] for t in runner.timing.values()) == 3  # every other unit ran
+    whole = scan.scan_jobs(jobs, Config(), CpuEngine())
+    assert scans[0].out.tobytes() == whole[0].out.tobytes()
+    kept = whole[1].pairs.heads < 2  # b's KV head 0: query heads 0 and 1
+    assert np.array_equal(scans[1].pairs.rows, whole[1].pairs.rows[kept])
+    assert np.array_equal(scans[1].pairs.heads, whole[1].pairs.heads[kept])
+    for got, want in zip((scans[1].out, scans[1].bound, *scans[1].sums, *scans[1].split),
+                         (whole[1].out, whole[1].bound, *whole[1].sums, *whole[1].split)):
+        assert got.tobytes() == want[kept].tobytes()
+
     monkeypatch.setenv("APA_ENGINES", f"broken={__name__}:Broken")
-    assert main(["scan", *dumps, "--backend", "broken", "--cluster", scheduler]) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err[0] == "apa: error: 2 units failed twice:" and len(err) == 3 and "KV head 1" in err[2]
+    assert main(["scan", *dumps, "--backend", "broken", "--cluster", scheduler, "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert err == ("apa: error: 1 unit failed twice, their pairs left out of the report:\n"
+                   "  dump b.apadump, KV head 1, config default config: RuntimeError: planted failure\n")
+    report = json.loads(out)
+    assert report["cluster"]["failed"] == runner.failed
+    assert report["per_dump"][0] == single["scan"]["per_dump"][0]  # dump a whole, bitwise
+    assert report["per_dump"][1]["pairs"] == 32 * 2
 
 
 def test_ctrl_c_leaves_no_worker(dumps):

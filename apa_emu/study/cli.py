@@ -14,10 +14,9 @@ import sys
 
 from .commands import attribute, check, chunked, gemma3, headroom, pair, scan, smollm2, sweep, synth, worst
 from .commands.common import CTRL_C
-from .engine import UnitsFailed
 from .report import OutputError, flush
 
-EXIT_FAILED = 1  # some units failed twice on a cluster: the rest ran, the study's tables need them all
+EXIT_FAILED = 1  # units failed twice on a cluster: the tables hold every other unit's pairs
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 # The commands in the order ``apa --help`` lists them; each is named after its module.
@@ -101,12 +100,13 @@ def main(argv=None) -> int:
         flush()
         if CTRL_C.hit:
             raise KeyboardInterrupt
+        if failed := getattr(args, "failed", None):
+            print(f"apa: error: {len(failed)} unit{'s' * (len(failed) > 1)} failed twice, their pairs left out of "
+                  f"the report:\n" + "\n".join(f"  {line}" for line in failed), file=sys.stderr)
+            return EXIT_FAILED
     except KeyboardInterrupt:
         print("apa: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except UnitsFailed as exc:
-        print(f"apa: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     except OutputError as exc:
         _detach_stdout()
         print(f"apa: error: cannot write the output: {exc}", file=sys.stderr)

@@ -11,7 +11,8 @@ the float64 reference is shared between configs as in one process) is one task, 
 per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the units' order
 whatever order they finish in, so the tables are bitwise those of one process. A task whose worker
 dies is run again elsewhere by the scheduler; a task that raises is run once more; a unit that fails
-twice is named, by dump, KV head and configs, once every other unit is done (``UnitsFailed``).
+twice is None among the runs, so that its pairs leave the study and every other unit's stay, and
+``Runner.failed`` names it by dump, KV head and configs.
 
 Dask is imported only here and only when a cluster is asked for: it is the ``cluster`` extra.
 """
@@ -26,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from .dump import read_dump
-from .engine import UnitsFailed, run_unit, units_on
+from .engine import run_unit, units_on
 from .report import cfg_name
 
 INSTALL = "pip install -e '.[cluster]'"
@@ -106,8 +107,8 @@ def _gpu_names(spec: Spec, engine) -> list[str]:
 # What a local cluster's nannies put in the environment of the workers they start. Not Dask's default,
 # which pins BLAS to one thread: NumPy's float64 products round by a blocking that follows the thread
 # count, so the reference would differ from this process's in its last bits. And the workers' own
-# logs only when critical: their start and stop, and a unit's failure (which UnitsFailed names in one
-# line), are the runner's business.
+# logs only when critical: their start and stop, and a unit's failure (which Runner.failed names in
+# one line), are the runner's business.
 WORKER_ENVIRON = {"DASK_LOGGING__DISTRIBUTED": "critical"}
 
 
@@ -146,10 +147,10 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
 
 class Runner:
     """The units of every ``run_units`` of a study on one Dask client; ``timing`` is each worker's
-    count of units and seconds, for --json."""
+    count of units and seconds, for --json; ``failed`` a line for each unit that failed twice."""
 
     def __init__(self, client, spec: Spec):
-        self.client, self.spec, self.timing = client, spec, {}
+        self.client, self.spec, self.timing, self.failed = client, spec, {}, []
 
     def run_units(self, engine, dumps, units, configs, split, trace, progress):
         for i in sorted({u.dump for u in units}):
@@ -163,8 +164,9 @@ class Runner:
         try:
             for done, future in enumerate(_dask().as_completed(futures), 1):
                 i = index[future.key]
-                if future.status == "error":
-                    failed.append((i, _failure(dumps[units[i].dump], units[i], configs, future.exception())))
+                if future.status != "finished":  # erred twice, or cancelled by a scheduler that lost its workers
+                    why = future.exception() if future.status == "error" else "cancelled by the cluster"
+                    failed.append((i, _failure(dumps[units[i].dump], units[i], configs, why)))
                 else:
                     worker, seconds, runs[i] = future.result()
                     mine = self.timing.setdefault(worker, dict(units=0, seconds=0.0))
@@ -175,19 +177,23 @@ class Runner:
                     progress(done, len(units))
         finally:
             self.client.cancel([f for f in futures if not f.done()], force=True)
-        if failed:
-            raise UnitsFailed([line for _, line in sorted(failed)])
+        self.failed += [line for _, line in sorted(failed)]
         return runs
 
     def report(self) -> dict:
         return dict(cluster=str(self.spec), workers={w: dict(units=t["units"], seconds=round(t["seconds"], 6))
-                                                      for w, t in sorted(self.timing.items())})
+                                                      for w, t in sorted(self.timing.items())},
+                    **(dict(failed=self.failed) if self.failed else {}))
 
 
-def _failure(dump, unit, configs, exc) -> str:
-    names = "; ".join(cfg_name(c) for c in configs)
-    return f"dump {dump.path.name}, KV head {unit.hk}, {'configs' if len(configs) > 1 else 'config'} {names}: " \
-           f"{type(exc).__name__}: {exc}"
+SHOWN_CONFIGS = 3  # configs named in a failed unit's line (attribute runs some thirty per unit)
+
+
+def _failure(dump, unit, configs, why) -> str:
+    names = "; ".join(cfg_name(c) for c in configs[:SHOWN_CONFIGS])
+    more = f" and {len(configs) - SHOWN_CONFIGS} more" if len(configs) > SHOWN_CONFIGS else ""
+    what = f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
+    return f"dump {dump.path.name}, KV head {unit.hk}, config{'s' * (len(configs) > 1)} {names}{more}: {what}"
 
 
 def _unit_task(engine, path, unit, configs, split, trace):

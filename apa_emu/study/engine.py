@@ -184,16 +184,6 @@ def units_on(runner):
         _RUNNER.reset(token)
 
 
-class UnitsFailed(Exception):
-    """Units that failed twice, one line each (dump, KV head, configs, error), raised once every other
-    unit is done."""
-
-    def __init__(self, lines: list[str]):
-        super().__init__(f"{len(lines)} unit{'s' * (len(lines) > 1)} failed twice:\n" + "\n".join(
-            f"  {line}" for line in lines))
-        self.lines = lines
-
-
 class _Steps:
     """Per-call progress callbacks summed into one ``progress(done, total)`` over a whole study."""
 
@@ -207,9 +197,10 @@ class _Steps:
 
 
 def run_units(engine: Engine, dumps, units: list[Unit], configs, *, split=False, trace=False,
-              progress=None) -> list[list[UnitRun]]:
-    """Every unit under every config ([unit][config]), in the order of ``units`` wherever they run.
-    ``dumps`` maps each unit's ``dump`` index to its Dump."""
+              progress=None) -> list[list[UnitRun] | None]:
+    """Every unit under every config ([unit][config]), in the order of ``units`` wherever they run;
+    None for a unit that failed twice on a cluster (its runner names it). ``dumps`` maps each unit's
+    ``dump`` index to its Dump."""
     check_fits(engine, [dumps[i] for i in sorted({u.dump for u in units})])
     if (runner := _RUNNER.get()) is not None:
         return runner.run_units(engine, dumps, units, configs, split, trace, progress)

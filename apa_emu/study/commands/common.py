@@ -349,7 +349,8 @@ def _cluster_spec(args) -> cluster.Spec | None:
 def run_study(args, compute, *, pooled: bool = False):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
     progress bar, its units in this process or on the cluster of --cluster (its per-worker timing
-    then in ``args.timing``, for ``payload``). ``pooled``: the command pools the pairs of all dumps,
+    then in ``args.timing``, for ``payload``, and the units that failed twice, whose pairs the
+    tables leave out, in ``args.failed``). ``pooled``: the command pools the pairs of all dumps,
     which needs one head dim."""
     check_outputs(args, dump_paths(args))
     spec = _cluster_spec(args)
@@ -364,7 +365,7 @@ def run_study(args, compute, *, pooled: bool = False):
             return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
         with cluster.cluster(spec, chosen) as runner:
             result = compute(jobs, cfg, chosen, progress=prog)
-    args.timing = runner.report()
+    args.timing, args.failed = runner.report(), runner.failed
     return jobs, cfg, chosen, result
 
 

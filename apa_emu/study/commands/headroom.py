@@ -44,7 +44,7 @@ def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None
     """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
     out = []
     for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress)):
-        pairs, dump = job.pairs, job.dump
+        pairs, dump = scan.pairs, job.dump  # the scan's: a unit that failed on a cluster has none
         est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), cfg.softmax_scale(dump.hd))
                         for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
         qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
