@@ -9,7 +9,10 @@ import contextlib
 import io
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -162,20 +165,36 @@ def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, sing
     assert report["per_dump"][1]["pairs"] == 32 * 2
 
 
-def test_ctrl_c_leaves_no_worker(dumps):
+def ignores_sigint(pid: int) -> bool:
+    ignored = next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & 1 << (signal.SIGINT - 1))
+
+
+def test_ctrl_c_at_the_terminal_ends_the_study_and_its_workers(dumps):
+    """SIGINT to the whole process group, as a terminal sends it, mid-study: one line, exit 130, and
+    the local cluster's workers gone."""
     import psutil
 
-    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
-
-    def interrupt(done, total):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        with cluster.cluster(cluster.Spec(workers=2), CpuEngine()) as runner:
-            pids = list(runner.client.run(os.getpid).values())
-            scan.scan_jobs(jobs, Config(), CpuEngine(), progress=interrupt)
-    assert len(pids) == 2
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    argv = [sys.executable, "-m", "apa_emu.study.cli", "sweep", *dumps, "--backend", "cpu", "--cluster", "local:2",
+            "--json"]  # the default 7 ε: some 20 s of work
+    apa = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        workers = []
+        for _ in range(600):  # until the cluster is up: its workers there, and apa's SIGINT no longer ignored
+            workers = [c for c in psutil.Process(apa.pid).children(recursive=True)
+                       if "spawn_main" in " ".join(c.cmdline())]
+            if len(workers) == 2 and not ignores_sigint(apa.pid) or apa.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(workers) == 2 and all(ignores_sigint(w.pid) for w in workers)
+        time.sleep(1)
+        os.killpg(apa.pid, signal.SIGINT)
+        out, err = apa.communicate(timeout=60)
+    finally:
+        if apa.poll() is None:
+            apa.kill()
+    assert (apa.returncode, out, err) == (130, b"", b"apa: interrupted\n")
+    _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive
 
 

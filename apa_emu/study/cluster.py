@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
@@ -119,9 +121,27 @@ def local(spec: Spec, engine):
     distributed = _dask()
     import dask
 
-    with dask.config.set({"distributed.nanny.pre-spawn-environ": WORKER_ENVIRON}):
-        with _start_local(distributed, spec, _gpu_names(spec, engine)) as local:
-            yield local
+    gpus = _gpu_names(spec, engine)
+    with _ctrl_c_ignored() as restore, dask.config.set({"distributed.nanny.pre-spawn-environ": WORKER_ENVIRON}), \
+            _start_local(distributed, spec, gpus) as local:
+        restore()
+        yield local
+
+
+@contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored until ``restore()`` or the block's end, in the main thread (where handlers live).
+    Ctrl-C at a terminal reaches the whole process group, and is this process's to answer, by closing
+    the cluster: the workers spawned meanwhile inherit the ignored SIGINT and never see it (their own
+    KeyboardInterrupt would print a traceback each). A Ctrl-C while the cluster starts is lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield lambda: signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _start_local(distributed, spec: Spec, gpus: list[str]):
