@@ -155,7 +155,8 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
             return LocalCUDACluster(CUDA_VISIBLE_DEVICES=",".join(gpus), threads_per_worker=1,
                                     dashboard_address=None, **quiet)
     if gpus:
-        workers = {f"gpu{g}-{i}": {"cls": distributed.Nanny, "options": dict(nthreads=1, env={"CUDA_VISIBLE_DEVICES": g})}
+        workers = {f"gpu{g}-{i}": {"cls": distributed.Nanny,
+                                   "options": dict(nthreads=1, env={"CUDA_VISIBLE_DEVICES": g})}
                    for i, g in enumerate(gpus)}
     else:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
