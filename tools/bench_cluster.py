@@ -13,9 +13,10 @@ It checks that the two JSON reports are equal field by field (exit 1 if not) and
 * the scheduler's per-task cost, measured on a cluster of the same spec: the wall time of
   ``--tasks`` no-op tasks submitted and gathered one by one, as the runner does (per task, with every
   worker busy), and the round trip of one task at a time (median of 30);
-* the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: units go out
-  in rounds of as many as there are workers, each round the slowest unit's time plus one round trip,
-  and the scheduler's per-task cost for every unit on top (it serialises), plus the cluster start.
+* the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: the cluster
+  start and a worker's first unit's extra (its warm-up, once, in parallel), then rounds of as many
+  units as there are workers, each round the slowest worker's time per later unit plus one round
+  trip, and the scheduler's per-task cost for every unit on top (it serialises).
 
     python tools/bench_cluster.py                                   # the study: 10 dumps, 2048 x 32768
     python tools/bench_cluster.py --out bench.md                    # and the table written to a file
@@ -87,8 +88,9 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
     return dict(workers=workers, start_s=start, per_task_s=per_task, round_trip_s=statistics.median(trips))
 
 
-def _project(units: int, unit_max: float, cost: dict, workers: int) -> float:
-    return cost["start_s"] + math.ceil(units / workers) * (unit_max + cost["round_trip_s"]) + units * cost["per_task_s"]
+def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
+    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(units / workers) * (unit_max + cost["round_trip_s"])
+            + units * cost["per_task_s"])
 
 
 def main() -> None:
@@ -125,7 +127,9 @@ def main() -> None:
     per_worker = timing["workers"]
     units = sum(w["units"] for w in per_worker.values())
     unit_mean = sum(w["seconds"] for w in per_worker.values()) / units
-    unit_max = max(w["seconds"] / w["units"] for w in per_worker.values())  # the slowest worker's mean
+    later = [(w["seconds"] - w["first_unit_s"]) / (w["units"] - 1) for w in per_worker.values() if w["units"] > 1]
+    unit_max = max(later) if later else unit_mean  # the slowest worker's mean after its first unit
+    warm_up = max(w["first_unit_s"] for w in per_worker.values()) - unit_max
     rows = {
         "single process, wall s": single_s,
         f"--cluster {args.cluster}, wall s (cluster start included)": cluster_s,
@@ -135,10 +139,11 @@ def main() -> None:
         "workers": cost["workers"],
         "units (dump, KV head)": units,
         "per unit on a worker, mean s": unit_mean,
-        "per unit on a worker, slowest worker's mean s": unit_max,
+        "per unit after a worker's first, slowest worker's mean s": unit_max,
+        "a worker's first unit beyond that (loading Numba's cache or the kernel), s": warm_up,
         f"scheduler cost per task ({args.tasks} no-op tasks, workers busy), s": cost["per_task_s"],
         "one task's round trip (median of 30), s": cost["round_trip_s"],
-        **{f"projected, {name}, s": _project(units, unit_max, cost, n) for name, n in PROJECTED.items()},
+        **{f"projected, {name}, s": _project(units, unit_max, warm_up, cost, n) for name, n in PROJECTED.items()},
     }
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"`{' '.join(['python tools/bench_cluster.py', *sys.argv[1:]])}`, {when}, {platform.node()} "

@@ -9,7 +9,8 @@ Each unit of ``engine.run_units`` (one KV head of one dump, under every config o
 the float64 reference is shared between configs as in one process) is one task, keyed
 ``apa-unit-...``. A worker opens the dump itself from its path and sends back only the unit's
 per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the units' order
-whatever order they finish in, so the tables are bitwise those of one process. A task whose worker
+whatever order they finish in, so the tables are bitwise those of one process (on the CPU engine,
+where the workers' BLAS runs as many threads as this process's: see WORKER_ENVIRON). A task whose worker
 dies is run again elsewhere by the scheduler; a task that raises is run once more; a unit that fails
 twice is None among the runs, so that its pairs leave the study and every other unit's stay, and
 ``Runner.failed`` names it by dump, KV head and configs.
@@ -168,7 +169,8 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
 
 class Runner:
     """The units of every ``run_units`` of a study on one Dask client; ``timing`` is each worker's
-    count of units and seconds, for --json; ``failed`` a line for each unit that failed twice."""
+    count of units, their seconds and its first unit's (which loads Numba's cache or the kernel), for
+    --json; ``failed`` a line for each unit that failed twice."""
 
     def __init__(self, client, spec: Spec):
         self.client, self.spec, self.timing, self.failed = client, spec, {}, []
@@ -190,7 +192,7 @@ class Runner:
                     failed.append((i, _failure(dumps[units[i].dump], units[i], configs, why)))
                 else:
                     worker, seconds, runs[i] = future.result()
-                    mine = self.timing.setdefault(worker, dict(units=0, seconds=0.0))
+                    mine = self.timing.setdefault(worker, dict(units=0, seconds=0.0, first_unit_s=seconds))
                     mine["units"] += 1
                     mine["seconds"] += seconds
                 future.release()
@@ -202,7 +204,7 @@ class Runner:
         return runs
 
     def report(self) -> dict:
-        return dict(cluster=str(self.spec), workers={w: dict(units=t["units"], seconds=round(t["seconds"], 6))
+        return dict(cluster=str(self.spec), workers={w: {k: round(v, 6) for k, v in t.items()}
                                                       for w, t in sorted(self.timing.items())},
                     **(dict(failed=self.failed) if self.failed else {}))
 
