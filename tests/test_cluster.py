@@ -170,6 +170,20 @@ def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, sing
     assert report["per_dump"][1]["pairs"] == 32 * 2
 
 
+def spawned(process) -> list:
+    """The processes ``process`` started through multiprocessing's spawn: a local cluster's workers."""
+    import psutil
+
+    found = []
+    for child in process.children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # ended meanwhile (a zombie until reaped)
+            pass
+    return found
+
+
 def ignores_sigint(pid: int) -> bool:
     ignored = next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:"))
     return bool(int(ignored.split()[1], 16) & 1 << (signal.SIGINT - 1))
@@ -186,8 +200,7 @@ def test_ctrl_c_at_the_terminal_ends_the_study_and_its_workers(dumps):
     try:
         workers = []
         for _ in range(600):  # until the cluster is up: its workers there, and apa's SIGINT no longer ignored
-            workers = [c for c in psutil.Process(apa.pid).children(recursive=True)
-                       if "spawn_main" in " ".join(c.cmdline())]
+            workers = spawned(psutil.Process(apa.pid))
             if len(workers) == 2 and not ignores_sigint(apa.pid) or apa.poll() is not None:
                 break
             time.sleep(0.1)
