@@ -39,7 +39,8 @@ FEATURES = frozenset({"window", "paging", "varlen", "kv_state", "trace", "warps"
 
 class Engine:
     """An implementation that runs calls. ``note`` says why ``--backend auto`` chose it (or None);
-    ``devices`` are the devices it runs on (several: the studies run a process on each)."""
+    ``devices`` are the devices it runs on (empty: the current one; the studies run on several as
+    workers of a cluster, each on the one it sees)."""
 
     name = ""
     features: frozenset = frozenset()

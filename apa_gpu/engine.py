@@ -42,7 +42,7 @@ def kernel_missing() -> str | None:
 class GpuEngine(Engine):
     """The kernel through ``apa_gpu.api.run``, every warp of a call (cheaper than choosing).
 
-    ``devices``: the GPUs to use (empty: the current one); more than one runs a process on each."""
+    ``devices``: the GPUs to use (empty: the current one)."""
 
     name = "gpu"
     features = frozenset({"window", "paging", "varlen", "kv_state", "trace"})
@@ -60,6 +60,11 @@ class GpuEngine(Engine):
             self.xp = self.cupy = cupy
         else:
             self.block_elements = Engine.block_elements  # host memory, as the emulator's
+
+    def __reduce__(self):
+        # Sent to a cluster's worker (apa_emu.study.cluster): CuPy's module does not pickle, and the
+        # worker must bind its own CuPy to the GPU it sees.
+        return type(self), (self.devices, self.note)
 
     @classmethod
     def missing(cls):

@@ -131,9 +131,12 @@ def test_cli_end_to_end_and_several_processes(capsys, big, tmp_path):
     assert main(argv) == 0
     one = json.loads(capsys.readouterr().out)
     devices = ["0,0"] + (["0,1"] if cupy.cuda.runtime.getDeviceCount() > 1 else [])
-    for ids in devices:  # one spawned process per listed GPU (0,0: two processes share GPU 0)
-        assert main([*argv, "--devices", ids]) == 0
-        assert json.loads(capsys.readouterr().out) == one, ids
+    # Dask workers, one per listed GPU (0,0: two share GPU 0), or one per GPU (--cluster local): the
+    # single process's report, and each worker's units and seconds.
+    for extra in [*(["--devices", ids] for ids in devices), ["--cluster", "local"]]:
+        assert main([*argv, *extra]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert sum(w["units"] for w in got.pop("cluster")["workers"].values()) == 2 * 8 and got == one, extra
     pool = cupy.get_default_memory_pool()
     assert pool.total_bytes() == pool.used_bytes()  # every block handed back after the study
 

@@ -1,9 +1,9 @@
 """The study engines without a GPU (issue 10): the choice of engine and its one-line messages, the
 blocked float64 reference and per-pair sums against apa_emu's oracle, the certificate a scan carries
 and reports (a planted violation included), every study command on several dumps and on a folder,
-and the GPU engine's own code (units, hot masks of the chosen warps, the split over devices, the
-memory check, apa check) with NumPy standing in for CuPy and the emulator for the kernel.
-tests/test_gpu_study.py runs the same on the device."""
+and the GPU engine's own code (units, hot masks of the chosen warps, the memory check, apa check)
+with NumPy standing in for CuPy and the emulator for the kernel. tests/test_gpu_study.py runs the
+same on the device; tests/test_cluster.py runs the units on Dask."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from apa_gpu.engine import GpuEngine
 from apa_emu.study import engine, fp64, scan
 from apa_emu.study.cli import main
 from apa_emu.study.commands import attribute, sweep
-from apa_emu.study.dump import Dump, read_dump, write_dump
+from apa_emu.study.dump import Dump, write_dump
 from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")
@@ -136,11 +136,9 @@ def numpy_cupy(free_bytes=64 << 30):
     """A module named cupy that is NumPy, with the few device calls the GPU engine makes."""
     m = types.ModuleType("cupy")
     m.__dict__.update({k: v for k, v in np.__dict__.items() if not k.startswith("__")})
-    m.used_devices = []
 
     @contextmanager
     def device(i):
-        m.used_devices.append(i)
         yield
 
     pool = types.SimpleNamespace(free_all_blocks=lambda: None, free_bytes=lambda: 0)
@@ -182,7 +180,7 @@ def test_engine_choice_and_why(monkeypatch):
             engine.select_engine("gpu", [cfg], [d])
     monkeypatch.setitem(sys.modules, "cupy", numpy_cupy())
     gpu = engine.select_engine("auto", [Config()], [64, 128], devices=(0, 1))
-    assert (gpu.name, gpu.devices, gpu.note) == ("gpu", (0, 1), None)
+    assert (gpu.name, gpu.devices, gpu.note) == ("gpu", (), None)  # the GPUs are a cluster's workers' 
     assert engine.select_engine(gpu, [Config(mma="exact")], [256]) is gpu
 
 
@@ -352,33 +350,6 @@ def test_gpu_engine_code_gives_the_cpu_engines_results(numpy_gpu, dumps):
     for name in variants:
         np.testing.assert_allclose(g.variants[name].cos, c.variants[name].cos[:len(g.variants[name].cos)],
                                    rtol=0, atol=1e-12)
-
-
-def test_units_split_over_devices_give_the_same_results(numpy_gpu, monkeypatch, dumps):
-    class SerialPool:  # the spawned processes, in this process (NumPy is no CUDA device)
-        def __init__(self, n, initializer, initargs=()):
-            self.n = n
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def imap_unordered(self, func, tasks):
-            return map(func, tasks)
-
-    monkeypatch.setattr(apa_emu.api.mp, "get_context", lambda method: types.SimpleNamespace(Pool=SerialPool))
-    jobs = [scan.Job.of(read_dump(p)) for p in dumps["paths"]]  # from files: each process opens them again
-    one = scan.scan_jobs(jobs, Config(), GpuEngine())
-    numpy_gpu.used_devices.clear()
-    two = scan.scan_jobs(jobs, Config(), GpuEngine((0, 1)))
-    assert sorted(set(numpy_gpu.used_devices)) == [0, 1]
-    for x, y in zip(one, two):
-        assert x.out.tobytes() == y.out.tobytes() and np.array_equal(x.result.hot, y.result.hot)
-        assert x.bound.tobytes() == y.bound.tobytes()
-        for p, q in zip(x.sums + x.split, y.sums + y.split):
-            assert p.tobytes() == q.tobytes()
 
 
 def test_dump_too_large_for_the_device_is_refused_up_front(numpy_gpu, monkeypatch):

@@ -16,6 +16,7 @@ from .commands import attribute, check, chunked, gemma3, headroom, pair, scan, s
 from .commands.common import CTRL_C
 from .report import OutputError, flush
 
+EXIT_FAILED = 1  # units failed twice on a cluster: the tables hold every other unit's pairs
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 # The commands in the order ``apa --help`` lists them; each is named after its module.
@@ -99,6 +100,10 @@ def main(argv=None) -> int:
         flush()
         if CTRL_C.hit:
             raise KeyboardInterrupt
+        if failed := getattr(args, "failed", None):
+            print(f"apa: error: {len(failed)} unit{'s' * (len(failed) > 1)} failed twice, their pairs left out of "
+                  f"the report:\n" + "\n".join(f"  {line}" for line in failed), file=sys.stderr)
+            return EXIT_FAILED
     except KeyboardInterrupt:
         print("apa: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -5,18 +5,18 @@ Every engine runs a study as units of one dump's KV head (a head's prep is all i
 numerics.md §5, so a unit is a whole problem of its own): the engine's call, then the float64
 reference and the per-pair sums of ``fp64`` where the engine keeps its arrays (``xp``: NumPy or
 CuPy). An exact engine's outputs and hot masks are bitwise the emulator's, so all engines give the
-same tables. Several devices split the units statically, one process per device.
+same tables. The units run in this process, or on a Dask cluster (``units_on``, apa_emu.study.cluster).
 """
 
 from __future__ import annotations
 
-import signal
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import numpy as np
 
 from .. import engines
-from ..api import worker_pool
 from ..call import resolve_call
 from ..engines import CpuEngine, Engine
 from ..geometry import ROWS, TILE, cdiv
@@ -67,11 +67,11 @@ def unit_bytes(n: int, G: int, S: int, d: int, block_elements: int) -> int:
     return inputs + kernel + reference
 
 
-def ready(cls: type[Engine], configs, dims, devices=()) -> tuple[Engine | None, str | None]:
-    """An engine of class ``cls`` on ``devices`` when it can run every config at every head dim here,
-    else None and why not."""
+def ready(cls: type[Engine], configs, dims) -> tuple[Engine | None, str | None]:
+    """An engine of class ``cls`` when it can run every config at every head dim here, else None and
+    why not."""
     why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
-    return (None, why) if why else (cls(devices=devices), None)
+    return (None, why) if why else (cls(), None)
 
 
 def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> Engine:
@@ -79,7 +79,8 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
     registered engine's name such as "gpu" (BackendError naming what is missing when it cannot run)
     or "auto": the first registered engine that can run every config, else the CPU, with a ``note``
     saying why when an engine is there but lacks a config or head dim, or ``devices`` asked for one.
-    An Engine passes through."""
+    ``devices`` (--devices) only steer the choice: the engine runs on the GPU its process sees, each
+    listed GPU being a cluster worker's (apa_emu.study.cluster). An Engine passes through."""
     if isinstance(backend, Engine):
         return backend
     if backend not in (names := backends()):
@@ -89,7 +90,7 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
             raise ValueError("--devices chooses GPUs: it needs the GPU backend, not --backend cpu")
         return CpuEngine(workers)
     if backend != "auto":
-        engine, why = ready(engines.load(backend), configs, dims, devices)
+        engine, why = ready(engines.load(backend), configs, dims)
         if why:
             raise BackendError(f"--backend {backend}: {why}")
         return engine
@@ -100,7 +101,7 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
         # choice, and a note saying so on every command of a CPU-only machine would be noise.
         if cls.missing() and not devices:
             continue
-        engine, why = ready(cls, configs, dims, devices)
+        engine, why = ready(cls, configs, dims)
         if engine:
             return engine
         whys.append(why)
@@ -170,6 +171,22 @@ def _in_dump(records, hk: int):
     return records
 
 
+# Where run_units sends its units: None, this process; else a runner with run_units of the same
+# arguments (a Dask cluster's). A context rather than an argument, so the studies' functions, which
+# call run_units through scan.evaluate with only an engine, stay as they are.
+_RUNNER: ContextVar = ContextVar("units_runner", default=None)
+
+
+@contextmanager
+def units_on(runner):
+    """Every run_units inside the block runs its units through ``runner.run_units``."""
+    token = _RUNNER.set(runner)
+    try:
+        yield runner
+    finally:
+        _RUNNER.reset(token)
+
+
 class _Steps:
     """Per-call progress callbacks summed into one ``progress(done, total)`` over a whole study."""
 
@@ -183,12 +200,13 @@ class _Steps:
 
 
 def run_units(engine: Engine, dumps, units: list[Unit], configs, *, split=False, trace=False,
-              progress=None) -> list[list[UnitRun]]:
-    """Every unit under every config ([unit][config]), in the order of ``units`` whatever the devices.
-    ``dumps`` maps each unit's ``dump`` index to its Dump."""
+              progress=None) -> list[list[UnitRun] | None]:
+    """Every unit under every config ([unit][config]), in the order of ``units`` wherever they run;
+    None for a unit that failed twice on a cluster (its runner names it). ``dumps`` maps each unit's
+    ``dump`` index to its Dump."""
     check_fits(engine, [dumps[i] for i in sorted({u.dump for u in units})])
-    if len(engine.devices) > 1:
-        return _on_devices(engine, dumps, units, configs, split, trace, progress)
+    if (runner := _RUNNER.get()) is not None:
+        return runner.run_units(engine, dumps, units, configs, split, trace, progress)
     step = _Steps(progress, sum(len(configs) * engine.steps(len(u.warps)) for u in units)) if progress else None
     runs, current = [], None
     with engine.context():
@@ -199,37 +217,3 @@ def run_units(engine: Engine, dumps, units: list[Unit], configs, *, split=False,
             runs.append(run_unit(engine, dumps[unit.dump], unit, configs, split=split, trace=trace, step=step))
         engine.release()
     return runs
-
-
-def _on_devices(engine: Engine, dumps, units, configs, split, trace, progress):
-    """The units split statically over the devices, round robin, one spawned process per device
-    (CUDA does not survive a fork); each process opens the dumps of its units again."""
-    shares = [list(range(i, len(units), len(engine.devices))) for i in range(len(engine.devices))]
-    tasks = [(type(engine), device, share, {units[u].dump: _source(dumps[units[u].dump]) for u in share},
-              [units[u] for u in share], configs, split, trace)
-             for device, share in zip(engine.devices, shares) if share]
-    runs = [None] * len(units)
-    with worker_pool("spawn", len(tasks), _ignore_ctrl_c) as pool:
-        for done, (share, result) in enumerate(pool.imap_unordered(_device_task, tasks), 1):
-            for u, r in zip(share, result):
-                runs[u] = r
-            if progress:
-                progress(done, len(tasks))
-    return runs
-
-
-def _source(dump):
-    """What a spawned process needs to open a dump: its file, or the arrays of one made in memory."""
-    return dump.path if dump.path is not None else dump
-
-
-def _ignore_ctrl_c():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent reports Ctrl-C and ends the pool
-
-
-def _device_task(task):
-    from .dump import read_dump
-
-    cls, device, share, sources, units, configs, split, trace = task
-    dumps = {j: read_dump(s, check_finite=False) if not hasattr(s, "q") else s for j, s in sources.items()}
-    return share, run_units(cls(devices=(device,)), dumps, units, configs, split=split, trace=trace)

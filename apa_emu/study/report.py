@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..config import Config
 from ..engines import CpuEngine
 
 NUMBA_WAIT = CpuEngine.wait
@@ -37,6 +39,13 @@ def progress_bar(enabled: bool, label: str, wait: str = NUMBA_WAIT):
             bar.update(task, completed=done, total=total, description=label)
 
         yield update
+
+
+def cfg_name(cfg: Config) -> str:
+    """The config as the toggles that differ from the defaults."""
+    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(Config)
+               if getattr(cfg, f.name) != getattr(Config(), f.name)]
+    return " ".join(changed) or "default config"
 
 
 def table(title, columns, rows):

@@ -233,12 +233,26 @@ def _stat(fn, x) -> float:
 
 
 def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None) -> list[list[Scan]]:
-    """Each job's pairs under each config ([job][config]), one unit (dump, KV head) at a time."""
+    """Each job's pairs under each config ([job][config]), one unit (dump, KV head) at a time. The
+    pairs of a unit that failed twice on a cluster are left out of its job's scans."""
     units = [u for j, job in enumerate(jobs) for u in job.units(j)]
     runs = run_units(engine, {j: job.dump for j, job in enumerate(jobs)}, units, configs, split=split, trace=trace,
                      progress=progress)
-    return [[_assemble(job, cfg, [(u, r[c]) for u, r in zip(units, runs) if u.dump == j], engine.name)
-             for c, cfg in enumerate(configs)] for j, job in enumerate(jobs)]
+    scans = []
+    for j, job in enumerate(jobs):
+        job, parts = _ran(job, [(u, r) for u, r in zip(units, runs) if u.dump == j])
+        scans.append([_assemble(job, cfg, [(u, r[c]) for u, r in parts], engine.name) for c, cfg in enumerate(configs)])
+    return scans
+
+
+def _ran(job: Job, parts) -> tuple[Job, list]:
+    """The job and its units' runs without the units that have none, their pairs taken out."""
+    lost = [u.index for u, r in parts if r is None]
+    if not lost:
+        return job, parts
+    keep = np.setdiff1d(np.arange(len(job.pairs)), np.concatenate(lost))
+    return (Job(job.dump, job.pairs.take(keep), job.name),
+            [(u._replace(index=np.searchsorted(keep, u.index)), r) for u, r in parts if r is not None])
 
 
 def _assemble(job: Job, cfg: Config, parts, engine: str) -> Scan:

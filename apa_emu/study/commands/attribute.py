@@ -12,7 +12,7 @@ import numpy as np
 from ...config import SEED_TOGGLES, Config
 from ..engine import CpuEngine, Engine
 from ..plots import pyplot, save
-from ..report import emit, say, table
+from ..report import cfg_name, emit, say, table
 from ..scan import Job, Pairs, Scan, check_count, cos_stats, engine_for, evaluate
 from . import common
 
@@ -290,9 +290,9 @@ def run(args) -> None:
                     _variant_rows(args, jobs, att))]
     for job, t in zip(jobs, att.tables):
         b = t.breakdown
-        tables += [table(f"{job.name}, {common.cfg_name(cfg)}: by query head", ["head", *_STATS],
+        tables += [table(f"{job.name}, {cfg_name(cfg)}: by query head", ["head", *_STATS],
                          [[h, *(st[c] for c in _STATS)] for h, st in b.heads]),
-                   table(f"{job.name}, {common.cfg_name(cfg)}: by query position", ["positions", *_STATS],
+                   table(f"{job.name}, {cfg_name(cfg)}: by query position", ["positions", *_STATS],
                          [[lab, *(st[c] for c in _STATS)] for lab, st in b.buckets])]
     png = plot_heatmap({j.name: t.breakdown for j, t in zip(jobs, att.tables)}, args.plot,
                        common.what(jobs)) if args.plot else None
@@ -327,8 +327,8 @@ def _variant_rows(args, jobs, att: Attribution) -> list[list]:
 def _payload(args, jobs, cfg, engine, att: Attribution, png) -> dict:
     fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png, seed_on_sm90=att.seed_on_sm90)
     if len(jobs) == 1:
-        return common.payload(jobs, cfg, engine, **fields, **att.tables[0].to_json())
-    return common.payload(jobs, cfg, engine, **fields,
+        return common.payload(args, jobs, cfg, engine, **fields, **att.tables[0].to_json())
+    return common.payload(args, jobs, cfg, engine, **fields,
                           per_dump=common.per_dump(jobs, (t.to_json() for t in att.tables)),
                           pooled={name: asdict(s) for name, s in att.pooled.items()},
                           pooled_seed={name: asdict(s) for name, s in att.pooled_seed.items()})

@@ -9,7 +9,7 @@ from ...config import Config
 from ...engines import CpuEngine
 from ..check import check_dump, check_generated, kernel_schedules, require_gpu
 from ..dump import read_dump
-from ..report import say
+from ..report import cfg_name, say
 from . import common
 
 EXIT_DIVERGED = 1  # the kernel and the emulator differ
@@ -79,4 +79,4 @@ def _dumps(args, cfg: Config):
             done += count
             if div:
                 break
-    return div, f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {common.cfg_name(cfg)}"
+    return div, f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {cfg_name(cfg)}"

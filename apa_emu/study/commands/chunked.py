@@ -26,7 +26,7 @@ _CHUNKED = ["hot_share", "mean_cos", "min_cos", "below_0_999", "nonfinite", "vio
 
 
 def add_arguments(p) -> None:
-    common.study_options(p)
+    common.study_options(p, units=False)  # a chunked prefill is one call per chunk in order, no units to spread
     p.add_argument("--chunk", type=common.count, default=512, metavar="C", help="query rows per chunk")
     common.eps(p)
 
@@ -43,5 +43,5 @@ def run(args) -> None:
                          *(got[c] for c in _CHUNKED)])
     title = (f"{common.named(jobs, 'apa chunked')} ({engine.name}, eps={cfg.eps}): whole-prompt prefill against "
              f"chunks of {args.chunk} query rows through a KV state (§5.9), every pair vs float64")
-    emit(args.json, common.payload(jobs, cfg, engine, per_dump=common.per_dump(jobs, (r.to_json() for r in reports))),
+    emit(args.json, common.payload(args, jobs, cfg, engine, per_dump=common.per_dump(jobs, (r.to_json() for r in reports))),
          [table(title, ["dump", "prefill", "chunks", "restats", "frozen (chunk, KV head)", *_CHUNKED], rows)])

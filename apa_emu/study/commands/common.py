@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ...config import CHOICES, Config
+from .. import cluster
 from ..dump import builtin_dump_path, read_dump
 from ..engine import backends, select_engine
 from ..files import not_regular
@@ -57,9 +58,10 @@ def _devices(text: str) -> tuple[int, ...]:
     return devices
 
 
-def study_options(p, many=True) -> None:
+def study_options(p, many=True, units=True) -> None:
     """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
-    and --json."""
+    and --json; and where the study's work is ``run_units``'s (``units``) and it takes many dumps,
+    --cluster and --devices."""
     if many:
         p.add_argument("dumps", nargs="*", metavar="DUMP",
                        help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
@@ -73,10 +75,15 @@ def study_options(p, many=True) -> None:
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
                         "the same numbers")
-    if many:
+    if many and units:
+        p.add_argument("--cluster", type=cluster.parse, metavar="local[:N] | tcp://HOST:PORT",
+                       help="run the (dump, KV head) units on Dask (the cluster extra): local starts one worker "
+                            "per GPU, or N (default: one per CPU) on the CPU; tcp://HOST:PORT uses a running "
+                            "scheduler whose workers see the dumps at the same paths. Same tables; --json adds "
+                            "each worker's units and seconds (default: in this process)")
         p.add_argument("--devices", type=_devices, metavar="I,J",
-                       help="GPUs to share the (dump, KV head) units, one process each, e.g. 0,1 (default: the "
-                            "current GPU)")
+                       help="GPUs to share the units: --cluster local with one worker on each, e.g. 0,1 "
+                            "(default: the current GPU, in this process)")
     p.add_argument("--workers", type=count, default=1, metavar="N",
                    help="CPU engine: processes that share the warps (results are bitwise the same for any N; "
                         "at most the CPU count)")
@@ -269,13 +276,6 @@ def config(args) -> Config:
     return cfg.replace(eps=value) if isinstance(value, float) else cfg  # sweep's --eps is a list, applied per run
 
 
-def cfg_name(cfg: Config) -> str:
-    """The config as the toggles that differ from the defaults."""
-    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(Config)
-               if getattr(cfg, f.name) != getattr(Config(), f.name)]
-    return " ".join(changed) or "default config"
-
-
 def engine(args, cfg: Config, dims):
     """The engine of the command, chosen once; a fallback of --backend auto is said in one line."""
     chosen = select_engine(args.backend, [cfg], dims, workers=args.workers,
@@ -333,10 +333,27 @@ def _one_head_dim(jobs, command: str) -> None:
                              f"apa {command} pools their pairs, which needs dumps of one head dim (run them separately)")
 
 
+def _cluster_spec(args) -> cluster.Spec | None:
+    """The cluster --cluster or --devices names (None: the units run in this process)."""
+    spec, devices = getattr(args, "cluster", None), getattr(args, "devices", None)
+    if spec and devices:
+        raise ValueError("--devices is --cluster local on those GPUs: give one of them")
+    spec = spec or (cluster.on_devices(devices) if devices else None)
+    if spec and args.workers > 1:
+        raise ValueError(f"--workers shares a unit's warps between processes of this one; with "
+                         f"{'--devices' if devices else '--cluster'} the units go to the cluster's workers "
+                         f"(leave --workers out)")
+    return spec
+
+
 def run_study(args, compute, *, pooled: bool = False):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
-    progress bar. ``pooled``: the command pools the pairs of all dumps, which needs one head dim."""
+    progress bar, its units in this process or on the cluster of --cluster (its per-worker timing
+    then in ``args.timing``, for ``payload``, and the units that failed twice, whose pairs the
+    tables leave out, in ``args.failed``). ``pooled``: the command pools the pairs of all dumps,
+    which needs one head dim."""
     check_outputs(args, dump_paths(args))
+    spec = _cluster_spec(args)
     jobs = _jobs(args)
     if pooled:
         _one_head_dim(jobs, args.command)
@@ -344,13 +361,21 @@ def run_study(args, compute, *, pooled: bool = False):
     chosen = engine(args, cfg, [job.dump.hd for job in jobs])
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
     with progress(not args.json, label, chosen.wait) as prog:
-        return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
+        if spec is None:
+            return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
+        with cluster.cluster(spec, chosen) as runner:
+            result = compute(jobs, cfg, chosen, progress=prog)
+    args.timing, args.failed = runner.report(), runner.failed
+    return jobs, cfg, chosen, result
 
 
-def payload(jobs, cfg: Config, engine, **fields) -> dict:
+def payload(args, jobs, cfg: Config, engine, **fields) -> dict:
+    """The head of a study's JSON; on a cluster, its name and each worker's units and seconds too."""
     paths = [str(job.dump.path) for job in jobs]
     where = dict(dump=paths[0]) if len(paths) == 1 else dict(dumps=paths)
-    return dict(**where, config=dataclasses.asdict(cfg), backend=engine.name, **fields)
+    timing = getattr(args, "timing", None)
+    return dict(**where, config=dataclasses.asdict(cfg), backend=engine.name, **fields,
+                **(dict(cluster=timing) if timing else {}))
 
 
 def per_dump(jobs, parts) -> list[dict]:

@@ -44,7 +44,7 @@ def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None
     """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
     out = []
     for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress)):
-        pairs, dump = job.pairs, job.dump
+        pairs, dump = scan.pairs, job.dump  # the scan's: a unit that failed on a cluster has none
         est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), cfg.softmax_scale(dump.hd))
                         for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])
         qk, o16 = int(np.argmax(est[:, 0])), int(np.argmax(est[:, 1]))
@@ -71,7 +71,7 @@ def run(args) -> None:
     jobs, cfg, engine, hs = common.run_study(args, headroom_jobs)
     title = f"{common.named(jobs, 'apa headroom')}: pass 2's FP16 accumulators, float64 estimates"
     if len(jobs) > 1:
-        emit(args.json, common.payload(jobs, cfg, engine, fp16_max=F16_MAX,
+        emit(args.json, common.payload(args, jobs, cfg, engine, fp16_max=F16_MAX,
                                        per_dump=common.per_dump(jobs, (dict(headroom=h.to_json()) for h in hs))),
              [table(title, ["dump", "pairs", "max_qk", "max_qk_at", "qk_over", "max_o16", "max_o16_at", "o16_over",
                             "nonfinite"], _pooled_rows(jobs, hs))])
@@ -83,7 +83,7 @@ def run(args) -> None:
             ("max |running O|", h.max_o16), ("  its share of the FP16 max", h.max_o16 / F16_MAX),
             ("  at (row, head)", h.max_o16_pair), ("  pairs past the FP16 max", h.o16_over),
             ("pairs with a non-finite output", h.nonfinite)]
-    emit(args.json, common.payload(jobs, cfg, engine, fp16_max=F16_MAX, headroom=h.to_json()),
+    emit(args.json, common.payload(args, jobs, cfg, engine, fp16_max=F16_MAX, headroom=h.to_json()),
          [table(title, ["metric", "value"], rows)])
 
 

@@ -129,7 +129,7 @@ def run(args) -> None:
     png = None
     if args.plot:
         png = plot_pair(info, args.plot, f"{path.name} row {args.row} head {args.head}")
-    payload = common.payload(jobs, cfg, engine, row=args.row, head=args.head, **info.to_json(), plot=png)
+    payload = common.payload(args, jobs, cfg, engine, row=args.row, head=args.head, **info.to_json(), plot=png)
     visit_cols = ["visit", *VISIT_FIELDS]
     emit(args.json, payload, [table(f"apa pair {path.name} row {args.row} head {args.head}", ["metric", "value"],
                                     _summary(info)),

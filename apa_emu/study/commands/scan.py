@@ -93,7 +93,7 @@ def _pooled(args, jobs, cfg, engine, scans, title) -> None:
     rows = [_scan_row(name, s) for name, s in named]
     cert = [[name, *(s.certificate[c] for c in _CERT)] for name, s in named]
     est = [[name, *(s.estimate[c] for c in _EST)] for name, s in named if s.estimate]
-    emit(args.json, common.payload(jobs, cfg, engine, per_dump=common.per_dump(jobs, (s.to_json() for s in scans)),
+    emit(args.json, common.payload(args, jobs, cfg, engine, per_dump=common.per_dump(jobs, (s.to_json() for s in scans)),
                                    pooled=pooled.to_json()),
          [table(title, cols, rows), table(_CERT_TITLE, ["dump", *_CERT], cert),
           *([table(_EST_TITLE, ["dump", *_EST], est)] if est else []),
@@ -115,7 +115,7 @@ def _one(args, jobs, cfg, engine, scan: Scan, title) -> None:
     if cert["violations"]:
         cert_rows.append(("first violations (row, head)", _pair_text(cert["first_violations"])))
     est = report["estimate"]
-    emit(args.json, common.payload(jobs, cfg, engine, **report),
+    emit(args.json, common.payload(args, jobs, cfg, engine, **report),
          [table(title, ["metric", "value"], rows), table(_CERT_TITLE, ["metric", "value"], cert_rows),
           *([table(_EST_TITLE, ["metric", "value"], [(c, est[c]) for c in _EST])] if est else []),
           table("per-pair cosine", ["bin", "pairs"], scan.histogram)])

@@ -105,11 +105,11 @@ def run(args) -> None:
     rows = [[r.eps, *[name] * many, *(getattr(r, c) for c in cols[1 + many:])]
             for i in range(len(args.eps)) for name, rs in series.items() for r in [rs[i]]]
     if many:
-        payload = common.payload(jobs, cfg, engine, plot=png, pooled=[r.to_json() for r in pooled],
+        payload = common.payload(args, jobs, cfg, engine, plot=png, pooled=[r.to_json() for r in pooled],
                                  per_dump=common.per_dump(jobs, (dict(sweep=[r.to_json() for r in rs])
                                                                  for rs in per_dump)))
     else:
-        payload = common.payload(jobs, cfg, engine, sweep=[r.to_json() for r in per_dump[0]], plot=png)
+        payload = common.payload(args, jobs, cfg, engine, sweep=[r.to_json() for r in per_dump[0]], plot=png)
     emit(args.json, payload, [table(f"{common.named(jobs, 'apa sweep')} ({engine.name})", cols, rows)])
     if png and not args.json:
         say(f"plot: {png}")

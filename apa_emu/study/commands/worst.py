@@ -76,7 +76,7 @@ def run(args) -> None:
     title = f"{common.named(jobs, 'apa worst')}: {len(diags)} pairs with {BY[args.by]}"
     if extra:
         title += f"; {found} of them among the {len(diags)} lowest-cosine pairs"
-    emit(args.json, common.payload(jobs, cfg, engine, worst=records, **extra),
+    emit(args.json, common.payload(args, jobs, cfg, engine, worst=records, **extra),
          [table(title, cols, [[r[c] for c in cols] for r in records])])
 
 

@@ -1,0 +1,162 @@
+"""A study on a Dask cluster against the same study in one process (issue 34), and what more GPUs
+would give.
+
+On ``--dumps`` synthetic dumps (``apa synth``'s generator, 24/8 heads, d = 128 by default, written to
+a temporary folder) it runs ``apa COMMAND`` in this process, end to end, twice: in one process and
+with ``--cluster SPEC`` (default ``local``: one worker per GPU, or 2 CPU workers on the CPU engine).
+It checks that the two JSON reports are equal field by field (exit 1 if not) and gives:
+
+* the overhead of the cluster path: its wall time (starting the cluster and its workers included,
+  and without them) against the single process's;
+* the per-unit times measured by the workers (a unit: one KV head of one dump, read and computed on
+  the worker), from the cluster run's ``--json``;
+* the scheduler's per-task cost, measured on a cluster of the same spec: the wall time of
+  ``--tasks`` no-op tasks submitted and gathered one by one, as the runner does (per task, with every
+  worker busy), and the round trip of one task at a time (median of 30);
+* the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: the cluster
+  start and a worker's first unit's extra (its warm-up, once, in parallel), then rounds of as many
+  units as there are workers, each round the slowest worker's time per later unit plus one round
+  trip, and the scheduler's per-task cost for every unit on top (it serialises).
+
+    python tools/bench_cluster.py                                   # the issue's study: 10 dumps, 2048 x 32768
+    python tools/bench_cluster.py --out bench.md                    # and the table written to a file
+    python tools/bench_cluster.py --dumps 3 --rows 64 --keys 2048 --heads 4 --kv-heads 2 --d 64 \\
+        --backend cpu --cluster local:2                             # a quick run on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from apa_emu.engines import CpuEngine  # noqa: E402
+from apa_emu.study import cli, cluster, engine  # noqa: E402
+from apa_emu.study.dump import write_dump  # noqa: E402
+from apa_emu.study.synth import synthetic  # noqa: E402
+
+PROJECTED = {"8 GPUs (1 host)": 8, "4 hosts x 8 GPUs": 32}
+
+
+def _apa(argv: list[str]) -> tuple[float, dict]:
+    """Seconds of one ``apa ... --json`` in this process, and its report."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        t0 = time.perf_counter()
+        rc = cli.main([*argv, "--json"])
+        seconds = time.perf_counter() - t0
+    if rc != 0:
+        sys.exit(f"bench_cluster: apa {' '.join(argv)} exited {rc}")
+    return seconds, json.loads(out.getvalue())
+
+
+def _noop(i):
+    return i
+
+
+def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
+    """The scheduler's cost per task on a cluster of ``spec``, and its start."""
+    import distributed
+
+    t0 = time.perf_counter()
+    with cluster.local(spec, chosen) if not spec.address else contextlib.nullcontext(spec.address) as where, \
+            distributed.Client(where) as client:
+        workers = len(client.scheduler_info()["workers"])
+        start = time.perf_counter() - t0
+        client.submit(_noop, -1, pure=False).result()  # the first task pays for the function's import
+        t0 = time.perf_counter()
+        futures = [client.submit(_noop, i, pure=False) for i in range(tasks)]
+        for future in distributed.as_completed(futures):
+            future.result()
+        per_task = (time.perf_counter() - t0) / tasks
+        trips = []
+        for i in range(30):
+            t0 = time.perf_counter()
+            client.submit(_noop, i, pure=False).result()
+            trips.append(time.perf_counter() - t0)
+    return dict(workers=workers, start_s=start, per_task_s=per_task, round_trip_s=statistics.median(trips))
+
+
+def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
+    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(units / workers) * (unit_max + cost["round_trip_s"])
+            + units * cost["per_task_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dumps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=2048, help="query rows per dump")
+    ap.add_argument("--keys", type=int, default=32768, help="keys per dump")
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--command", default="scan", choices=["scan", "sweep", "attribute", "headroom", "worst"],
+                    help="the study (attribute with --cpu-worst 0, sweep over 3 ε)")
+    ap.add_argument("--backend", default="gpu", choices=["gpu", "cpu"])
+    ap.add_argument("--cluster", default="local", help="--cluster of the cluster run (default local)")
+    ap.add_argument("--tasks", type=int, default=1000, help="no-op tasks that measure the scheduler's cost")
+    ap.add_argument("--out", help="also write the markdown there")
+    args = ap.parse_args()
+
+    spec = cluster.parse(args.cluster)
+    extra = {"attribute": ["--cpu-worst", "0"], "sweep": ["--eps", "0.001", "0.005", "0.02"]}.get(args.command, [])
+    with tempfile.TemporaryDirectory(prefix="bench_cluster_") as tmp:
+        for i in range(args.dumps):
+            d = synthetic(args.rows, args.keys, args.heads, args.kv_heads, args.d, seed=i)
+            write_dump(Path(tmp) / f"d{i:02d}.apadump", d.q, d.k, d.v, d.q_offset)
+        study = [args.command, tmp, *extra, "--backend", args.backend]
+        _apa([args.command, str(Path(tmp) / "d00.apadump"), "--rows", "0:16", *extra[:2], "--backend", args.backend])
+        single_s, single = _apa(study)
+        cluster_s, clustered = _apa([*study, "--cluster", args.cluster])
+    timing = clustered.pop("cluster")
+    if clustered != single:
+        sys.exit("bench_cluster: the cluster's report differs from the single process's")
+    chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
+    cost = _scheduler_cost(spec, chosen, args.tasks)
+    per_worker = timing["workers"]
+    units = sum(w["units"] for w in per_worker.values())
+    unit_mean = sum(w["seconds"] for w in per_worker.values()) / units
+    later = [(w["seconds"] - w["first_unit_s"]) / (w["units"] - 1) for w in per_worker.values() if w["units"] > 1]
+    unit_max = max(later) if later else unit_mean  # the slowest worker's mean after its first unit
+    warm_up = max(w["first_unit_s"] for w in per_worker.values()) - unit_max
+    rows = {
+        "single process, wall s": single_s,
+        f"--cluster {args.cluster}, wall s (cluster start included)": cluster_s,
+        "cluster start (scheduler and workers up), s": cost["start_s"],
+        "overhead, start included": (cluster_s - single_s) / single_s,
+        "overhead, start left out": (cluster_s - cost["start_s"] - single_s) / single_s,
+        "workers": cost["workers"],
+        "units (dump, KV head)": units,
+        "per unit on a worker, mean s": unit_mean,
+        "per unit after a worker's first, slowest worker's mean s": unit_max,
+        "a worker's first unit beyond that (loading Numba's cache or the kernel), s": warm_up,
+        f"scheduler cost per task ({args.tasks} no-op tasks, workers busy), s": cost["per_task_s"],
+        "one task's round trip (median of 30), s": cost["round_trip_s"],
+        **{f"projected, {name}, s": _project(units, unit_max, warm_up, cost, n) for name, n in PROJECTED.items()},
+    }
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = (f"`{' '.join(['python tools/bench_cluster.py', *sys.argv[1:]])}`, {when}, {platform.node()} "
+            f"({os.cpu_count()} CPUs, Python {platform.python_version()}); `apa {args.command}` over {args.dumps} "
+            f"dumps of {args.rows} x {args.keys} keys, {args.heads}/{args.kv_heads} heads, d = {args.d}, "
+            f"--backend {args.backend}; the reports are equal field by field")
+    table = "\n".join([head, "", "| measure | value |", "|---|---:|",
+                       *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows.items())])
+    print(table)
+    print(json.dumps(dict(rows, per_worker=per_worker), indent=1))
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
