@@ -205,6 +205,7 @@ class Outcome:
     report: "ToleranceReport | None" = None
     repro: str | None = None
     emulator: object = None  # the emulator's traced Result, for a caller's own questions (its hot tiles)
+    measures: "Measures | None" = None  # tolerance: the per-pair measures behind the report
 
     def lines(self) -> list[str]:
         if self.mode == "bitwise":
@@ -241,9 +242,10 @@ _FEATURE_OF = {"window": "window", "block_table": "paging", "cu_seqlens_q": "var
 
 
 def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *, warps=None, options=None,
-          max_rel_l2: float = MAX_REL_L2) -> Outcome:
+          max_rel_l2: float = MAX_REL_L2, workers: int = 1) -> Outcome:
     """``engine`` (an apa_emu.engines.Engine) against the emulator on ``attention(*args, cfg, **kwargs)``,
-    on the (b, hk, warp) triples ``warps`` (None: all), the engine run with its ``options``. The
+    on the (b, hk, warp) triples ``warps`` (None: all), the engine run with its ``options`` and the
+    emulator over ``workers`` processes. The
     emulator traces the warps it runs, to localise a divergence and to say where a tolerance engine
     departs; the engine traces when it claims "trace", and runs every warp unless it claims "warps".
     An engine that raises, returns something that is not a Result or an output of q's shape and
@@ -259,7 +261,7 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     traced = "trace" in engine.features
     theirs = resolve_call(*args, trace=want if traced else None,
                           warps=warps if "warps" in engine.features else None, **kwargs)
-    emu = api.run(call, cfg)
+    emu = api.run(call, cfg, workers=workers)
     try:
         res = engine.run(theirs, cfg, **(options or {}))
     except EngineError:
@@ -271,15 +273,16 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     res = as_result(engine.name, res, theirs, cfg)
     if traced and (res.visits is None or res.rows is None):
         raise EngineError(f"engine {engine.name} claims 'trace' but returned no trace records (visits, rows)")
-    if warps is not None:
-        _adopt_elsewhere(call, emu, res)
     _check_finite(engine.name, emu.out, res.out)
     if mode == "bitwise":
+        if warps is not None:
+            _adopt_elsewhere(call, emu, res)
         div = first_divergence(emu, res, engine.name)
         return Outcome(engine.name, mode, div is None, divergence=_with_tile(div, emu),
                        pair=_first_pair(emu.out, res.out), emulator=emu)
-    report = ToleranceReport.of([measure(call, emu, res.out)], max_rel_l2)
-    return Outcome(engine.name, mode, report.passed, report=report, emulator=emu)
+    m = measure(call, emu, res.out)
+    report = ToleranceReport.of([m], max_rel_l2)
+    return Outcome(engine.name, mode, report.passed, report=report, emulator=emu, measures=m)
 
 
 def _adopt_elsewhere(call, emu, res) -> None:

@@ -224,7 +224,7 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
     """An engine's return value as a Result: a Result, or the output array alone (the other fields
     None: not compared). Anything else, or an output not of q's shape and dtype float16, is an
     EngineError naming the engine."""
-    q_shape = call.q.shape[1:] if call.squeeze else call.q.shape
+    q_shape = call.q.shape[1:] if call.squeeze or call.seqs is not None else call.q.shape  # a varlen q is packed
     if isinstance(res, Result):
         out = res.out
     elif isinstance(res, np.ndarray) or hasattr(res, "__array__") and hasattr(res, "shape"):
