@@ -160,6 +160,13 @@ class FunctionEngine(Engine):
 
     def run(self, call, config, *, progress=None):
         args, kwargs = call_arguments(call)
+        # without "warps" it computes every warp, without "trace" it returns no records: both allowed;
+        # a problem it does not implement is not
+        kwargs = {key: value for key, value in kwargs.items() if key not in ("warps", "trace") or key in self.features}
+        for feature in sorted(FEATURES - self.features - {"warps", "trace"}):
+            if any(key in kwargs for key in _KEYWORDS[feature]):
+                raise EngineError(f"engine {self.name} does not implement {feature} (it declares "
+                                  f"{', '.join(sorted(self.features)) or 'no feature'})")
         try:
             res = type(self).function(*args, config, **kwargs)
         except Exception as e:  # the user's function: any error is its own, reported in one line

@@ -193,3 +193,31 @@ def test_bad_declarations_are_refused():
 
     with pytest.raises(EngineError, match=r"^engine x: unknown features fused \(known: "):
         engine("x", features={"fused"})
+
+
+def test_every_study_runs_on_a_user_engine(capsys, dumps):
+    """scan, worst, pair, attribute and sweep with --backend module:callable; the scan's mean cosine
+    is the fake-quant output's against float64 attention, computed here from the function itself."""
+    from user_engines.fakequant_torch import attention as fakequant
+
+    small = str(dumps["small"])
+    backend = ["--backend", FAKEQUANT, "--json"]
+    scan = json.loads(_run(capsys, "scan", small, "--rows", "0:8", *backend))
+    assert scan["backend"] == FAKEQUANT and scan["summary"]["pairs"] == 48
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    rows, heads = np.repeat(np.arange(8), 6), np.tile(np.arange(6), 8)
+    ref = apa_emu.reference_rows(d.q, d.k, d.v, d.q_offset, rows, heads, float(Config().softmax_scale(64)))
+    out = np.concatenate([fakequant(d.q[:, 3 * hk:3 * hk + 3], d.k[:, hk:hk + 1], d.v[:, hk:hk + 1], d.q_offset)
+                          for hk in range(2)], axis=1)[rows, heads].astype(np.float64)
+    cos = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
+    assert scan["summary"]["mean_cos"] == pytest.approx(cos.mean(), rel=1e-9)
+    assert cos.mean() < 0.9999  # the approximation shows
+    _run(capsys, "worst", small, "--rows", "0:8", "-n", "3", *backend)
+    _run(capsys, "pair", small, "--row", "3", "--head", "1", *backend)
+    _run(capsys, "attribute", small, *backend)
+    _run(capsys, "sweep", small, "--rows", "0:8", "--eps", "0.005", "0.05", *backend)
+
+
+def _run(capsys, *argv) -> str:
+    assert main(list(argv)) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
