@@ -272,11 +272,12 @@ def _import(spec: str):
 
 
 def _engine_class(spec: str, obj) -> type[Engine]:
-    if isinstance(obj, type) and issubclass(obj, Engine):
+    """A class as it is (an Engine, as the entry points promise), a function wrapped."""
+    if isinstance(obj, type):
         return obj
     if callable(obj):
         return wrap(obj, name=None if hasattr(obj, "apa_engine") else spec)
-    raise EngineError(f"engine {spec}: {type(obj).__name__} is neither an Engine class nor a callable")
+    raise EngineError(f"engine {spec}: a {type(obj).__name__} is neither an Engine class nor a function")
 
 
 def _named() -> dict[str, EntryPoint]:
