@@ -312,4 +312,4 @@ def load(name: str) -> type[Engine]:
     ep = _named().get(name)
     if ep is None:
         raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
-    return _engine_class(ep.value, ep.load())
+    return _engine_class(name, ep.load())

@@ -221,3 +221,40 @@ def test_every_study_runs_on_a_user_engine(capsys, dumps):
 def _run(capsys, *argv) -> str:
     assert main(list(argv)) == 0, capsys.readouterr().err
     return capsys.readouterr().out
+
+
+def test_a_registered_function_is_named_as_registered(capsys, dumps, monkeypatch, no_files):
+    monkeypatch.setenv("APA_ENGINES", f"fq={FAKEQUANT}")
+    assert main(["check", str(dumps["small"]), "--engine", "fq", "--warps", "0", "--max-rel-l2", "5"]) == 0
+    assert capsys.readouterr().out.startswith("apa check: engine fq is within relative L2 5 of the emulator on 2 warps")
+
+
+def test_the_apa_engine_option_and_fixture(tmp_path):
+    """``pytest -p apa_emu.testing --apa-engine SPEC``: a suite written against the fixture fails on the
+    wrong engine with its replay command, passes on the emulator, and skips without the option."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "test_fixture.py").write_text(
+        "from apa_emu.problems import Problem\n"
+        "from apa_emu.testing import assert_matches_emulator\n\n\n"
+        "def test_engine(apa_engine):\n"
+        "    problem = Problem(seed=3, B=1, n=48, Hkv=1, G=2, d=64, S=600, structure='sink', batched=False,\n"
+        "                      q_offset=552)\n"
+        "    assert_matches_emulator(apa_engine, problem, mode='bitwise')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+
+    def pytest_run(*extra):
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "apa_emu.testing", "-q", "-p", "no:cacheprovider",
+                               *extra, "test_fixture.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    wrong = pytest_run("--apa-engine", WRONG)
+    assert wrong.returncode == 1 and "wrong-rounding differs from the emulator bitwise" in wrong.stdout
+    assert f"replay: apa check --engine {WRONG} --repro " in wrong.stdout
+    assert pytest_run("--apa-engine", "apa_emu:attention").returncode == 0
+    skipped = pytest_run()
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout
