@@ -65,22 +65,27 @@ def as_engine(engine) -> engines.Engine:
 
 
 def _spec(engine) -> str | None:
-    """How ``apa check --engine`` names ``engine``, where it can."""
+    """How ``apa check --engine`` names ``engine``, where it can: its name as given or registered,
+    else its function's or class's ``module:qualname``."""
     if isinstance(engine, str):
         return engine
-    fn = getattr(engine, "function", None) or engine
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if isinstance(engine, engines.Engine) and engine.name in ("cpu", *engines.registered()):
+        return engine.name
+    cls = type(engine) if isinstance(engine, engines.Engine) else engine
+    target = getattr(cls, "function", None) or cls
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     return f"{module}:{name}" if module and name and "<" not in name else None
 
 
-def repro_command(engine, problem: Problem, config: Config, mode: str) -> str | None:
+def repro_command(engine, problem: Problem, config: Config, mode: str, options=None,
+                  max_rel_l2: float = MAX_REL_L2) -> str | None:
     """The one command that replays a check of a generated problem (None for arrays: no command
     carries them)."""
     spec = _spec(engine)
     if spec is None:
         return None
     text = json.dumps(dict(problem=json.loads(problem.to_json()), config=json.loads(config_to_json(config)),
-                           mode=mode), separators=(",", ":"))
+                           mode=mode, options=options or {}, max_rel_l2=max_rel_l2), separators=(",", ":"))
     return f"apa check --engine {shlex.quote(spec)} --repro {shlex.quote(text)}"
 
 
@@ -90,16 +95,17 @@ def claimed_config(engine: engines.Engine) -> Config:
 
 
 def assert_matches_emulator(engine, problem, config: Config | None = None, mode: str = "auto", *,
-                            max_rel_l2: float = MAX_REL_L2, seen: Seen | None = None):
+                            max_rel_l2: float = MAX_REL_L2, seen: Seen | None = None, options=None):
     """Check ``engine`` (see ``as_engine``) against the emulator on ``problem`` (a ``Problem``, or
     ``(args, kwargs)`` of ``attention``) under ``config`` (default: the one the engine claims), in
     ``mode`` ("auto": bitwise when the engine claims bit-exactness, "bitwise", "tolerance" with pairs
-    within ``max_rel_l2``). Returns the Outcome; raises AssertionError with the report and a replay
-    command. ``seen`` counts the problem's hot and cold tiles and the outcome."""
+    within ``max_rel_l2``), the engine run with its ``options`` (the kernel's schedule). Returns the
+    Outcome; raises AssertionError with the report and a replay command. ``seen`` counts the
+    problem's hot and cold tiles and the outcome."""
     chosen = as_engine(engine)
     cfg = claimed_config(chosen) if config is None else resolve_config(config)
     args, kwargs = problem.arguments() if isinstance(problem, Problem) else problem
-    outcome = check(chosen, args, kwargs, cfg, mode, max_rel_l2=max_rel_l2)
+    outcome = check(chosen, args, kwargs, cfg, mode, options=options, max_rel_l2=max_rel_l2)
     if seen is not None:
         emu = outcome.emulator
         seen.update(event for event, happened in (("hot tiles", emu.hot_tiles > 0),
@@ -107,7 +113,8 @@ def assert_matches_emulator(engine, problem, config: Config | None = None, mode:
                                                   ("passed", outcome.passed)) if happened)
     if not outcome.passed:
         if isinstance(problem, Problem):
-            outcome.repro = repro_command(engine if isinstance(engine, str) else chosen, problem, cfg, outcome.mode)
+            outcome.repro = repro_command(engine if isinstance(engine, str) else chosen, problem, cfg, outcome.mode,
+                                          options, max_rel_l2)
         raise AssertionError("\n".join([*outcome.lines(), f"  problem: {_described(problem)}", f"  config: {cfg}"]))
     return outcome
 

@@ -258,3 +258,18 @@ def test_the_apa_engine_option_and_fixture(tmp_path):
     assert pytest_run("--apa-engine", "apa_emu:attention").returncode == 0
     skipped = pytest_run()
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout
+
+
+def test_the_claimed_config_is_checked_and_named(capsys, dumps, no_files):
+    """A seed-like engine runs whatever config it is given: checked under the one it claims it passes,
+    and the summary names that claim; under the default config (--config over the claim) it would not
+    be the seed's arithmetic, which the emulator's two outputs show differ here."""
+    small = str(dumps["small"])
+    assert main(["check", small, "--engine", "user_engines.bad:seed_like", "--warps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("apa check: engine seed-like equals the emulator bitwise (output, hot masks, every trace "
+                          "field) on 2 warps of 1 dump under the config it claims, preset=seed, and ")
+    d = synthetic(48, 320, 6, 2, 64, seed=4)
+    seed, plain = (apa_emu.attention(d.q, d.k, d.v, d.q_offset, c, warps=[(0, 0, 0)]).out
+                   for c in (Config.seed(), Config()))
+    assert not np.array_equal(_bits(seed), _bits(plain))

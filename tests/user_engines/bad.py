@@ -1,4 +1,5 @@
-"""Engines that break the interface, each in one way, for the one-line messages of apa check."""
+"""Engines that break the interface, each in one way, for the one-line messages of apa check, and one
+that claims a config."""
 
 import numpy as np
 
@@ -35,4 +36,10 @@ def claims_trace(q, k, v, q_offset=0, config=None, trace=None):
 
 @engine(name="claims-window", features={"window"})
 def claims_window(q, k, v, q_offset=0, config=None):
+    return apa_emu.attention(q, k, v, q_offset, config).out
+
+
+@engine(name="seed-like", bitexact=True, config="preset=seed")
+def seed_like(q, k, v, q_offset=0, config=None):
+    """A kernel of the seed's arithmetic (numerics.md §12): the config it claims is the one it runs."""
     return apa_emu.attention(q, k, v, q_offset, config).out

@@ -97,7 +97,8 @@ def _generated(args):
     with common.progress(True, "check, generated problems", engine.wait) as prog:
         div, done, report = check_generated(engine, args.engine, args.hypothesis, seed, mode=args.mode,
                                             schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog)
-    what = "problems" if engine.config else "problems and configs"
+    what = f"problems under the config it claims, {' '.join(engine.config)}," if engine.config else \
+        "problems and configs"
     return div, f"{done} generated {what} (--seed {seed}){_schedule_words(engine, args)}", report, engine
 
 
@@ -116,6 +117,7 @@ def _dumps(args):
             done += count
             if div:
                 break
-    summary = (f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {common.cfg_name(cfg)}"
+    claim = f"the config it claims, {' '.join(engine.config)}, and " if engine.config else ""
+    summary = (f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {claim}{common.cfg_name(cfg)}"
                f"{_schedule_words(engine, args)}")
     return div, summary, report, engine
