@@ -1,5 +1,7 @@
 """An engine against the emulator: the first divergence of two Results, reproducer files and their
-replay (``apa check``, ``python -m apa_gpu.replay``, tests/test_gpu_kernel.py).
+replay (``apa check``, ``python -m apa_gpu.replay``, tests/test_gpu_kernel.py); and ``check``, any
+engine (docs/engines.md) against the emulator on one problem, bitwise or in tolerance, which ``apa
+check --engine`` and the pytest plugin (apa_emu.testing) share.
 
 A reproducer is an ``.npz`` with q, k, v, q_offset, the config as JSON, the trace request, the window,
 the paging and the engine's run options (the kernel's schedule and segment); ``replay`` reruns both
@@ -237,17 +239,16 @@ def resolve_mode(engine, mode: str) -> str:
     return ("bitwise" if engine.bitexact else "tolerance") if mode == "auto" else mode
 
 
-_FEATURE_OF = {"window": "window", "block_table": "paging", "cu_seqlens_q": "varlen", "kv_state": "kv_state",
-               "warps": "warps"}
+_FEATURE_OF = {"window": "window", "block_table": "paging", "cu_seqlens_q": "varlen", "kv_state": "kv_state"}
 
 
 def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *, warps=None, options=None,
           max_rel_l2: float = MAX_REL_L2, workers: int = 1) -> Outcome:
     """``engine`` (an apa_emu.engines.Engine) against the emulator on ``attention(*args, cfg, **kwargs)``,
     on the (b, hk, warp) triples ``warps`` (None: all), the engine run with its ``options`` and the
-    emulator over ``workers`` processes. The
-    emulator traces the warps it runs, to localise a divergence and to say where a tolerance engine
-    departs; the engine traces when it claims "trace", and runs every warp unless it claims "warps".
+    emulator over ``workers`` processes. The emulator traces the warps it runs, to localise a
+    divergence and to say where a tolerance engine departs; the engine traces when it claims "trace",
+    and runs every warp unless it claims "warps".
     An engine that raises, returns something that is not a Result or an output of q's shape and
     dtype, returns NaN where the emulator's output is finite, or claims trace records it does not
     return, is an EngineError naming it; a problem using a feature it does not declare, a ValueError."""

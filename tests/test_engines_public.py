@@ -126,8 +126,18 @@ def test_fakequant_is_reported_in_tolerance(capsys, dumps, no_files):
     d = synthetic(32, 2500, 4, 2, 64, seed=5, sink=16.0)
     emu = apa_emu.attention(d.q, d.k, d.v, d.q_offset)
     assert 0 < emu.hot_tiles < emu.active_tiles  # the problem has hot and cold tiles
+    # the pairs whose warp left a tile cold, counted here from the emulator's hot masks, KV head by KV head
+    cold_pairs, G = 0, 2
+    for hk in range(2):
+        res = apa_emu.attention(d.q[:, G * hk:G * hk + G], d.k[:, hk:hk + 1], d.v[:, hk:hk + 1], d.q_offset)
+        for w in range(res.hot.shape[2]):
+            packed = np.arange(16 * w, min(16 * w + 16, d.n * G))
+            last_tile = min(d.q_offset + int(packed.max()) // G, d.k.shape[0] - 1) // 64
+            bits = [(int(res.hot[0, 0, w, t // 32]) >> (t % 32)) & 1 for t in range(last_tile + 1)]
+            cold_pairs += len(packed) * (0 in bits)
+    assert cold_pairs > 0
     tiles = next(line for line in out.splitlines() if line.startswith("  by tiles: "))
-    assert "warps with cold tiles: " in tiles
+    assert f"warps with cold tiles: {cold_pairs} pairs" in tiles
     assert "  by frame: " in out and "ULP distance of the output elements" in out
     # the worst pair, measured independently of the report, KV head by KV head as apa check runs a dump
     from user_engines.fakequant_torch import attention as fakequant
