@@ -146,8 +146,7 @@ def _declaration(name, features=(), head_dims=HEAD_DIMS, bitexact=False, config=
                 config=(config,) if isinstance(config, str) else tuple(config))
 
 
-# attention's keywords a feature needs a function engine to take (kv_state and trace need no probe:
-# a function that lacks them fails its own way on the call that passes them)
+# the keywords of attention each feature passes to a function engine
 _KEYWORDS = {"window": ("window",), "paging": ("block_table", "seqlen_k"), "varlen": ("cu_seqlens_q", "cu_seqlens_k"),
              "kv_state": ("kv_state",), "trace": ("trace",), "warps": ("warps",)}
 
@@ -249,12 +248,6 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
     if res is None:
         return Result(out=out, err_bound=None, hot=None, active_tiles=None, hot_tiles=None, config=config)
     return dataclasses.replace(res, out=out)
-
-
-def returned(res: Result) -> tuple[str, ...]:
-    """The Result fields an engine returned: its arrays and trace records that are not None."""
-    return tuple(f.name for f in dataclasses.fields(Result)
-                 if f.name not in ("config", "meta", "overflow") and getattr(res, f.name) is not None)
 
 
 def _import(spec: str):
