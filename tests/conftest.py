@@ -1,13 +1,7 @@
 """Shared test settings: Hypothesis profiles and the skips of the gpu and hardware markers."""
 
 import pytest
-
-# the plugin users load (apa_emu/testing.py): named here too, for a checkout run without installing it;
-# hyp imports it first, so its asserts are rewritten from that first import on
-pytest.register_assert_rewrite("apa_emu.testing")
-pytest_plugins = ["apa_emu.testing"]
-
-from hyp import register_profiles  # noqa: E402
+from hyp import register_profiles
 
 register_profiles()
 
