@@ -245,8 +245,10 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
         raise EngineError(f"engine {name} returned an output of dtype {out.dtype}, expected float16 (the output "
                           f"attention returns)")
     out = np.asarray(out.cpu() if hasattr(out, "cpu") else out)
-    if res is None:
-        return Result(out=out, err_bound=None, hot=None, active_tiles=None, hot_tiles=None, config=config)
+    if res is None:  # every field the engine did not return is None, whatever fields Result gains
+        absent = {f.name: None for f in dataclasses.fields(Result)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        return Result(**{**absent, "out": out, "config": config})
     return dataclasses.replace(res, out=out)
 
 
