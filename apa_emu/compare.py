@@ -383,6 +383,7 @@ class ToleranceReport:
     cos: np.ndarray
     index: np.ndarray
     groups: dict  # name -> {label: (pairs, mean rel L2, max rel L2)}
+    problem: str = ""  # the problem it measures, where a report stands for several (the worst of them)
 
     @classmethod
     def of(cls, parts: list[Measures], bound: float = MAX_REL_L2) -> "ToleranceReport":
@@ -415,7 +416,8 @@ class ToleranceReport:
     def lines(self) -> list[str]:
         pair, rel, cos = self.worst()
         hist = ", ".join(f"{label}: {count}" for label, count in self.ulp_histogram.items() if count)
-        lines = [f"{self.pairs} pairs; ULP distance of the output elements: {hist}; max {self.max_ulp}",
+        lines = [f"the worst problem: {self.problem}"] if self.problem else []
+        lines += [f"{self.pairs} pairs; ULP distance of the output elements: {hist}; max {self.max_ulp}",
                  f"relative L2 per pair: median {np.median(self.rel_l2):.3g}, max {rel:.3g} at (row, head) "
                  f"{_pair_words(pair)} (cosine {cos:.6f}); lowest cosine {self.cos.min():.6f}"]
         for name, parts in self.groups.items():

@@ -285,3 +285,19 @@ def test_the_claimed_config_is_checked_and_named(capsys, dumps, no_files):
     seed, plain = (apa_emu.attention(d.q, d.k, d.v, d.q_offset, c, warps=[(0, 0, 0)]).out
                    for c in (Config.seed(), Config()))
     assert not np.array_equal(_bits(seed), _bits(plain))
+
+
+def test_fakequant_on_generated_problems(capsys, no_files):
+    """--hypothesis in tolerance: passing, the worst problem is named; failing, the failure is shrunk
+    and its replay command reproduces the same report."""
+    assert main(["check", "--engine", FAKEQUANT, "--hypothesis", "2", "--seed", "2", "--max-rel-l2", "1e6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("within relative L2 1e+06 of the emulator on 2 generated problems and configs (--seed 2)")
+    assert out[1].startswith("  the worst problem: ") and "Config(" in out[1]
+    assert main(["check", "--engine", FAKEQUANT, "--hypothesis", "2", "--seed", "2", "--max-rel-l2", "1e-3"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "departs from the emulator beyond relative L2 0.001 in generated problem 1 (shrunk: " in lines[0]
+    repro = _replay_json(lines[-1])
+    assert repro["max_rel_l2"] == 1e-3 and repro["mode"] == "tolerance"
+    assert main(["check", "--engine", FAKEQUANT, "--repro", json.dumps(repro)]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == lines[1:]

@@ -252,6 +252,7 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
             if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst()[1] >
                                                          worst[0].worst()[1]):
                 worst[0] = outcome.report
+                worst[0].problem = f"{problem.describe()}, {cfg}{words}"
         if progress and not failures:
             progress(done[0], n)
 
