@@ -347,7 +347,7 @@ def _nonfinite_pairs(res: Result) -> np.ndarray:
     return np.argwhere(~np.isfinite(out).all(axis=-1) & ~np.isnan(np.asarray(res.err_bound)))
 
 
-def _owner(call: Call, index) -> tuple[tuple[int, int, int], int]:
+def owner(call: Call, index) -> tuple[tuple[int, int, int], int]:
     """The (b, hk, warp) computing the pair at ``index`` and its packed row there (§6.2; in a varlen
     call b is the sequence and the row its own)."""
     *lead, row, head = (int(i) for i in index)
@@ -372,7 +372,7 @@ def run_checked(call: Call, run) -> Result:
     bad = _nonfinite_pairs(res)
     if not len(bad):
         return res
-    owners = [_owner(call, index) for index in bad]
+    owners = [owner(call, index) for index in bad]
     triples = sorted({t for t, _ in owners})
     # only those warps run, except in a chunk: the state's update needs every KV head's statistics
     traced = run(replace(call, want=tr.TraceRequest(frozenset(triples)), trace_spec=triples, kv_state=before,

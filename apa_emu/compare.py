@@ -1,5 +1,7 @@
 """An engine against the emulator: the first divergence of two Results, reproducer files and their
-replay (``apa check``, ``python -m apa_gpu.replay``, tests/test_gpu_kernel.py).
+replay (``apa check``, ``python -m apa_gpu.replay``, tests/test_gpu_kernel.py); and ``check``, any
+engine (docs/engines.md) against the emulator on one problem, bitwise or in tolerance, which ``apa
+check --engine`` and the pytest plugin (apa_emu.testing) share.
 
 A reproducer is an ``.npz`` with q, k, v, q_offset, the config as JSON, the trace request, the window,
 the paging and the engine's run options (the kernel's schedule and segment); ``replay`` reruns both
@@ -13,14 +15,17 @@ import dataclasses
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from . import api
 from . import trace as tr
-from .call import logical_kv, resolve_call
+from .call import logical_kv, owner, resolve_call
 from .config import Config
+from .engines import EngineError, as_result
 from .prep import prepare
 
 canon_nan = tr.canonical_nan
@@ -45,31 +50,37 @@ def _record_divergence(where, emu_recs, other_recs, fields, keys, name):
 def first_divergence(emu, other, name: str = "gpu") -> dict | None:
     """The first difference between the emulator's Result and an engine's (called ``name``), in the
     order the kernel computes: pass-1 visit records (b, hk, warp, visit, field), hot masks, row
-    records (b, hk, row, field), the output."""
-    if (emu.visits is None) != (other.visits is None):
-        return {"where": "visits", "field": "presence", "emulator": emu.visits is not None,
-                name: other.visits is not None}
-    if emu.visits is not None:
+    records (b, hk, row, field), then the arrays (out, err_bound, and any other array field of
+    Result, in its order). A field the engine returned as None is not compared (whether it should
+    have returned it is the checker's question, ``check``)."""
+    if emu.visits is not None and other.visits is not None:
         d = _record_divergence("visits", emu.visits, other.visits, ("b", "hk", "warp", "visit") + tr.VISIT_FIELDS,
                                ("b", "hk", "warp", "visit"), name)
         if d is not None:
             return d
-    if emu.hot.shape != other.hot.shape or not np.array_equal(emu.hot, other.hot):
+    if other.hot is not None and (emu.hot.shape != other.hot.shape or not np.array_equal(emu.hot, other.hot)):
         if emu.hot.shape != other.hot.shape:
             return {"where": "hot", "field": "shape", "emulator": emu.hot.shape, name: other.hot.shape}
         idx = tuple(int(i) for i in np.argwhere(emu.hot != other.hot)[0])
         return {"where": "hot", "index (b, hk, warp, word)": idx, "emulator": hex(int(emu.hot[idx])),
                 name: hex(int(other.hot[idx]))}
-    if (emu.rows is None) != (other.rows is None):
-        return {"where": "rows", "field": "presence", "emulator": emu.rows is not None, name: other.rows is not None}
-    if emu.rows is not None:
+    if emu.rows is not None and other.rows is not None:
         d = _record_divergence("rows", emu.rows, other.rows, ("b", "hk", "row") + tr.ROW_FIELDS, ("b", "hk", "row"),
                                name)
         if d is not None:
             return d
-    return (_array_divergence("out", emu.out, other.out, name)
-            or _array_divergence("err_bound", emu.err_bound, other.err_bound, name)
-            or _array_divergence("err_est", emu.err_est, other.err_est, name))
+    for f in _array_fields(emu):
+        if getattr(other, f) is not None:
+            d = _array_divergence(f, getattr(emu, f), np.asarray(getattr(other, f)), name)
+            if d is not None:
+                return d
+    return None
+
+
+def _array_fields(res) -> list[str]:
+    """Result's per-pair array fields (out, err_bound, and any added later), found by their values."""
+    return [f.name for f in dataclasses.fields(res) if f.name not in ("hot", "visits", "rows")
+            and isinstance(getattr(res, f.name), np.ndarray)]
 
 
 def _array_divergence(where: str, emu: np.ndarray, other: np.ndarray, name: str) -> dict | None:
@@ -173,3 +184,270 @@ def replay(saved: dict, engine, *, options: dict, workers: int = 1) -> int:
     div = first_divergence(emu, engine.run(call, cfg, **options), engine.name)
     print("run: " + ("bitwise equal" if div is None else "first divergence: " + describe(div)))
     return 0 if div is None and prep is None else 1
+
+
+# -- any engine against the emulator: bitwise or in tolerance (apa check --engine, apa_emu.testing) ---
+
+MODES = ("auto", "bitwise", "tolerance")
+MAX_REL_L2 = 0.1  # tolerance mode's default bound on a pair's relative L2 distance to the emulator's output
+
+
+@dataclass
+class Outcome:
+    """An engine's check against the emulator on one problem: the mode, and in bitwise mode the first
+    differing (row, head) (``pair``, an index into ``out`` without its last axis) and the first
+    divergence in data-flow order (``divergence``, as first_divergence); in tolerance mode the
+    ``report``. ``repro`` is the one command that replays it, when the caller knows one."""
+
+    engine: str
+    mode: str
+    passed: bool
+    divergence: dict | None = None
+    pair: tuple | None = None
+    report: "ToleranceReport | None" = None
+    repro: str | None = None
+    emulator: object = None  # the emulator's traced Result, for a caller's own questions (its hot tiles)
+    measures: "Measures | None" = None  # tolerance: the per-pair measures behind the report
+
+    def lines(self) -> list[str]:
+        if self.mode == "bitwise":
+            if self.passed:
+                lines = [f"{self.engine} equals the emulator bitwise"]
+            else:
+                lines = [f"{self.engine} differs from the emulator bitwise"]
+                if self.pair is not None:
+                    lines.append(f"  first differing (row, head): {_pair_words(self.pair)}")
+                lines.append(f"  first divergence: {describe(self.divergence)}")
+        else:
+            lines = [f"{self.engine} against the emulator in tolerance: "
+                     f"{'within' if self.passed else 'beyond'} relative L2 {self.report.bound:g}",
+                     *("  " + line for line in self.report.lines())]
+        if self.repro and not self.passed:
+            lines.append(f"  replay: {self.repro}")
+        return lines
+
+
+def _pair_words(index) -> str:
+    *lead, row, head = index
+    return f"({row}, {head})" + (f" of batch {lead[0]}" if lead else "")
+
+
+def resolve_mode(engine, mode: str) -> str:
+    """``auto``: bitwise when the engine claims bit-exactness, else tolerance."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    return ("bitwise" if engine.bitexact else "tolerance") if mode == "auto" else mode
+
+
+_FEATURE_OF = {"window": "window", "block_table": "paging", "cu_seqlens_q": "varlen", "kv_state": "kv_state"}
+
+
+def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *, warps=None, options=None,
+          max_rel_l2: float = MAX_REL_L2, workers: int = 1) -> Outcome:
+    """``engine`` (an apa_emu.engines.Engine) against the emulator on ``attention(*args, cfg, **kwargs)``,
+    on the (b, hk, warp) triples ``warps`` (None: all), the engine run with its ``options`` and the
+    emulator over ``workers`` processes. The emulator traces the warps it runs, to localise a
+    divergence and to say where a tolerance engine departs; the engine traces when it claims "trace",
+    and runs every warp unless it claims "warps".
+    An engine that raises, returns something that is not a Result or an output of q's shape and
+    dtype, returns NaN where the emulator's output is finite, or claims trace records it does not
+    return, is an EngineError naming it; a problem using a feature it does not declare, a ValueError."""
+    mode = resolve_mode(engine, mode)
+    for key, feature in _FEATURE_OF.items():
+        if kwargs.get(key) is not None and feature not in engine.features:
+            raise ValueError(f"engine {engine.name} does not implement {feature} (it declares "
+                             f"{', '.join(sorted(engine.features)) or 'no feature'})")
+    want = "all" if warps is None else warps
+    call = resolve_call(*args, trace=want, warps=warps, **kwargs)
+    traced = "trace" in engine.features
+    theirs = resolve_call(*args, trace=want if traced else None,
+                          warps=warps if "warps" in engine.features else None, **kwargs)
+    emu = api.run(call, cfg, workers=workers)
+    try:
+        res = engine.run(theirs, cfg, **(options or {}))
+    except EngineError:
+        raise
+    except Exception as e:  # the engine's own code: whatever it raises is reported in one line
+        text = str(e).strip().splitlines()
+        raise EngineError(f"engine {engine.name} raised {type(e).__name__}: {text[0] if text else '(no message)'}") \
+            from e
+    res = as_result(engine.name, res, theirs, cfg)
+    if traced and (res.visits is None or res.rows is None):
+        raise EngineError(f"engine {engine.name} claims 'trace' but returned no trace records (visits, rows)")
+    _check_finite(engine.name, emu.out, res.out)
+    if mode == "bitwise":
+        if warps is not None:
+            _adopt_elsewhere(call, emu, res)
+        div = first_divergence(emu, res, engine.name)
+        return Outcome(engine.name, mode, div is None, divergence=_with_tile(div, emu),
+                       pair=_first_pair(emu.out, res.out), emulator=emu)
+    m = measure(call, emu, res.out)
+    report = ToleranceReport.of([m], max_rel_l2)
+    return Outcome(engine.name, mode, report.passed, report=report, emulator=emu, measures=m)
+
+
+def _adopt_elsewhere(call, emu, res) -> None:
+    """The emulator ran the chosen warps only: elsewhere its per-pair arrays and hot masks become the
+    engine's, so that only the chosen warps are compared."""
+    lead = np.asarray(emu.out).shape[:-1]
+    chosen = np.array([owner(call, idx)[0] in call.warps for idx in np.ndindex(*lead)], bool).reshape(lead)
+    for f in _array_fields(emu):
+        theirs = getattr(res, f)
+        if theirs is not None and np.shape(theirs) == getattr(emu, f).shape:
+            getattr(emu, f)[~chosen] = np.asarray(theirs)[~chosen]
+    if res.hot is not None and res.hot.shape == emu.hot.shape:
+        for b, hk, w in np.ndindex(*emu.hot.shape[:3]):
+            if (b, hk, w) not in call.warps:
+                emu.hot[b, hk, w] = res.hot[b, hk, w]
+
+
+def _with_tile(div, emu):
+    """A visit record's divergence with the tile of that visit named beside it."""
+    if div is None or div["where"] != "visits" or "record" not in div:
+        return div
+    keys = list(div)
+    at = keys.index("visit") + 1
+    return {k: div[k] for k in keys[:at]} | {"tile": int(emu.visits[div["record"]]["tile"])} | \
+        {k: div[k] for k in keys[at:]}
+
+
+def _check_finite(name: str, emu_out, out) -> None:
+    bad = ~np.isfinite(np.asarray(out, np.float32)) & np.isfinite(np.asarray(emu_out, np.float32))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise EngineError(f"engine {name} returned {out[idx]} at out index {idx}, where the emulator's output is "
+                          f"finite ({emu_out[idx]})")
+
+
+def _first_pair(emu_out, out) -> tuple | None:
+    a, b = canon_nan(emu_out), canon_nan(np.asarray(out))
+    if a.shape != b.shape:
+        return None
+    bad = np.argwhere((a.view(np.uint16) != b.view(np.uint16)).any(axis=-1))
+    return tuple(int(i) for i in bad[0]) if bad.size else None
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a − b| in FP16 units in the last place: the distance between the two values' places on the
+    ordered FP16 line (−0 and +0 one place)."""
+    def place(x):
+        bits = np.asarray(x, np.float16).view(np.uint16).astype(np.int64)
+        return np.where(bits & 0x8000, 0x8000 - bits, bits)
+
+    return np.abs(place(a) - place(b))
+
+
+ULP_EDGES = (0, 1, 2, 4, 16, 64, 256, 1024)  # the histogram's bins: 0, 1, 2-3, 4-15, ..., >= 1024
+
+
+class Measures(NamedTuple):
+    """Per pair ((row, head)) of a tolerance check: its index into ``out`` without the last axis, its
+    relative L2 distance and cosine to the emulator's output, its elements' ULP distances, whether its
+    warp left a tile cold and whether a cold tile set its row's frame."""
+
+    index: np.ndarray  # [pairs, k]
+    rel: np.ndarray
+    cos: np.ndarray
+    ulps: np.ndarray  # [pairs, d]
+    cold: np.ndarray
+    framed_cold: np.ndarray
+
+
+def measure(call, emu, out) -> Measures:
+    """``out`` against the emulator's traced Result ``emu`` of ``call``, on the pairs it computed."""
+    e64, o64 = np.asarray(emu.out, np.float64), np.asarray(out, np.float64)
+    computed = np.isfinite(e64).all(axis=-1)
+    index = np.argwhere(computed)
+    e, o = e64[computed], o64[computed]
+    diff, norm, on = (np.linalg.norm(x, axis=-1) for x in (o - e, e, o))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(norm > 0, diff / norm, np.where(diff > 0, np.inf, 0.0))
+        cos = np.where(norm * on > 0, (o * e).sum(-1) / (norm * on), np.where(diff > 0, 0.0, 1.0))
+    ulps = ulp_distance(np.asarray(emu.out)[computed], np.asarray(out)[computed])
+    return Measures(index, rel, cos, ulps, *_tiles_and_frames(call, emu, index))
+
+
+@dataclass
+class ToleranceReport:
+    """An approximate engine against the emulator, pair by pair ((row, head)): the ULP distance of the
+    FP16 outputs and its histogram, each pair's relative L2 distance and cosine, and where the
+    departure concentrates: by query head, by query position (quarters of the rows), by whether the
+    pair's warp left tiles cold (APA's FP4 estimate) or recomputed every one exactly, and by which
+    pass set the row's frame (the row max of the hot tiles, pass 2's m2, or of the cold ones, m1)."""
+
+    bound: float
+    pairs: int
+    ulp_histogram: dict
+    max_ulp: int
+    rel_l2: np.ndarray
+    cos: np.ndarray
+    index: np.ndarray
+    groups: dict  # name -> {label: (pairs, mean rel L2, max rel L2)}
+    problem: str = ""  # the problem it measures, where a report stands for several (the worst of them)
+
+    @classmethod
+    def of(cls, parts: list[Measures], bound: float = MAX_REL_L2) -> "ToleranceReport":
+        m = Measures(*(np.concatenate(x) for x in zip(*parts)))
+        ulps = m.ulps.ravel()
+        edges = (*ULP_EDGES, np.iinfo(np.int64).max)
+        hist = {(f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" if hi < edges[-1] else f">={lo}"):
+                int(((ulps >= lo) & (ulps < hi)).sum()) for lo, hi in zip(edges[:-1], edges[1:])}
+        heads, rows = m.index[:, -1], m.index[:, -2]
+        quarter = (4 * rows) // (int(rows.max()) + 1) if rows.size else rows
+        groups = {
+            "query head": _split(m.rel, {f"head {h}": heads == h for h in np.unique(heads)}),
+            "query position": _split(m.rel, {f"rows {int(rows[quarter == i].min())}-{int(rows[quarter == i].max())}":
+                                             quarter == i for i in np.unique(quarter)}),
+            "tiles": _split(m.rel, {"warps with cold tiles": m.cold, "warps with every tile hot (exact)": ~m.cold}),
+            "frame": _split(m.rel, {"set by a cold tile (m1 > m2)": m.framed_cold,
+                                    "set by a hot tile": ~m.framed_cold}),
+        }
+        return cls(float(bound), len(m.index), hist, int(ulps.max()) if ulps.size else 0, m.rel, m.cos, m.index,
+                   groups)
+
+    @property
+    def passed(self) -> bool:
+        return bool(np.all(self.rel_l2 <= self.bound))
+
+    def worst(self) -> tuple:
+        i = int(np.argmax(self.rel_l2))
+        return tuple(int(x) for x in self.index[i]), float(self.rel_l2[i]), float(self.cos[i])
+
+    def lines(self) -> list[str]:
+        pair, rel, cos = self.worst()
+        hist = ", ".join(f"{label}: {count}" for label, count in self.ulp_histogram.items() if count)
+        lines = [f"the worst problem: {self.problem}"] if self.problem else []
+        lines += [f"{self.pairs} pairs; ULP distance of the output elements: {hist}; max {self.max_ulp}",
+                 f"relative L2 per pair: median {np.median(self.rel_l2):.3g}, max {rel:.3g} at (row, head) "
+                 f"{_pair_words(pair)} (cosine {cos:.6f}); lowest cosine {self.cos.min():.6f}"]
+        for name, parts in self.groups.items():
+            words = "; ".join(f"{label}: {count} pairs, mean {mean:.3g}, max {top:.3g}"
+                              for label, (count, mean, top) in parts.items())
+            lines.append(f"by {name}: {words}")
+        return lines
+
+
+def _split(rel, masks: dict) -> dict:
+    return {label: (int(m.sum()), float(rel[m].mean()), float(rel[m].max())) for label, m in masks.items() if m.any()}
+
+
+def _tiles_and_frames(call, emu, index) -> tuple[np.ndarray, np.ndarray]:
+    """For each pair: whether its warp left an active tile cold, from the emulator's hot masks, and
+    whether its row's frame came from a cold tile (the row records' m1 above m2)."""
+    shapes = [sub.shape if sub is not None else None for sub in call.sequences()] if call.seqs is not None \
+        else [call.shape] * call.shape.B
+    frames = {(int(r["b"]), int(r["hk"]), int(r["row"])): (float(r["m1"]), float(r["m2"])) for r in emu.rows}
+    cold, framed = np.zeros(len(index), bool), np.zeros(len(index), bool)
+    counted = {}
+    for i, idx in enumerate(index):
+        (b, hk, w), packed = owner(call, idx)
+        if (b, hk, w) not in counted:
+            shape = shapes[b]
+            first, last = int(shape.first_tiles(w)), int(shape.last_tiles(w))
+            t = np.arange(first, last + 1)
+            hot = (emu.hot[b, hk, w][t // 32] >> (t % 32).astype(np.uint32)) & 1
+            counted[b, hk, w] = bool((hot == 0).any())
+        cold[i] = counted[b, hk, w]
+        m1, m2 = frames[b, hk, packed]
+        framed[i] = m1 > m2
+    return cold, framed

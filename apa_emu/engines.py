@@ -13,15 +13,25 @@ The studies and ``apa check`` reach an implementation of numerics.md only throug
   there), ``block_elements``, ``free_memory()``, ``release()``, ``context()``, ``devices``; and,
   when it offers them, ``prep_arrays`` (its prep outputs, to localise a mismatch, apa_emu.compare).
 
+and what ``apa check`` compares: ``bitexact`` (the engine claims numerics.md bit for bit: compared
+bitwise, else in tolerance) and ``config`` (the Config overrides it implements, e.g. "preset=seed").
+
 The emulator is the engine "cpu". Other packages register theirs as entry points of the group
 ``apa_emu.engines`` (``name = "module:Class"``), so that apa_emu never imports them; such a class is
 built as ``cls(devices=..., note=...)``. A checkout that is not installed (on the device, a copy run with
 PYTHONPATH) names them in ``$APA_ENGINES`` instead, in the same form: ``gpu=apa_gpu.engine:GpuEngine``,
-several separated by commas.
+several separated by commas. Wherever a name is taken, ``module:callable`` names one too.
+
+The simplest engine is a function with ``apa_emu.attention``'s signature that returns a Result or just
+the output array (docs/engines.md): ``wrap`` makes it an Engine, with what ``@engine(...)`` declared
+on it. Result fields it does not return stay None and are not compared.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 import os
 from contextlib import nullcontext
 from importlib.metadata import EntryPoint, entry_points
@@ -45,6 +55,8 @@ class Engine:
     name = ""
     features: frozenset = frozenset()
     head_dims: tuple[int, ...] = HEAD_DIMS
+    bitexact = True  # the interface's contract; an approximate implementation says False
+    config: tuple[str, ...] = ()  # the Config overrides it implements (Config.from_overrides)
     options: dict[str, tuple] = {}
     xp = np
     block_elements = 1 << 20  # float64 scores the studies compute at once where the arrays live
@@ -109,6 +121,161 @@ class CpuEngine(Engine):
         return warps
 
 
+class EngineError(ValueError):
+    """An engine that cannot be loaded, or did something the interface does not allow; the message is
+    one line naming the engine and what it did."""
+
+
+def engine(name: str | None = None, *, features=(), head_dims=HEAD_DIMS, bitexact: bool = False, config=()):
+    """Declare what a function engine implements (``wrap`` reads it): its ``name`` (default: the
+    function's), the ``features`` it honours (of FEATURES), its ``head_dims``, whether it claims
+    numerics.md bit for bit, and the ``config`` overrides it implements ("preset=seed", "eps=0")."""
+    unknown = sorted(set(features) - FEATURES)
+    if unknown:
+        raise EngineError(f"engine {name or '?'}: unknown features {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(FEATURES))})")
+
+    def declare(fn):
+        fn.apa_engine = _declaration(name or fn.__name__, features, head_dims, bitexact, config)
+        return fn
+
+    return declare
+
+
+def _declaration(name, features=(), head_dims=HEAD_DIMS, bitexact=False, config=()) -> dict:
+    return dict(name=name, features=frozenset(features), head_dims=tuple(head_dims), bitexact=bool(bitexact),
+                config=(config,) if isinstance(config, str) else tuple(config))
+
+
+# the keywords of attention each feature passes to a function engine
+_KEYWORDS = {"window": ("window",), "paging": ("block_table", "seqlen_k"), "varlen": ("cu_seqlens_q", "cu_seqlens_k"),
+             "kv_state": ("kv_state",), "trace": ("trace",), "warps": ("warps",)}
+
+
+class FunctionEngine(Engine):
+    """A function with ``apa_emu.attention``'s signature as an Engine: each call's arguments as the
+    user passed them, the keywords left at their defaults not passed at all."""
+
+    function = None  # set by wrap, a staticmethod
+
+    def run(self, call, config, *, progress=None):
+        args, kwargs = call_arguments(call)
+        # without "warps" it computes every warp, without "trace" it returns no records: both allowed;
+        # a problem it does not implement is not
+        kwargs = {key: value for key, value in kwargs.items() if key not in ("warps", "trace") or key in self.features}
+        for feature in sorted(FEATURES - self.features - {"warps", "trace"}):
+            if any(key in kwargs for key in _KEYWORDS[feature]):
+                raise EngineError(f"engine {self.name} does not implement {feature} (it declares "
+                                  f"{', '.join(sorted(self.features)) or 'no feature'})")
+        try:
+            res = type(self).function(*args, config, **kwargs)
+        except Exception as e:  # the user's function: any error is its own, reported in one line
+            raise EngineError(f"engine {self.name} raised {type(e).__name__}: {_first_line(e)}") from e
+        if progress:
+            progress(1, 1)
+        return as_result(self.name, res, call, config)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def wrap(fn, name: str | None = None) -> type[Engine]:
+    """An Engine class running ``fn`` (see FunctionEngine), with what ``@engine`` declared on it."""
+    decl = dict(getattr(fn, "apa_engine", None) or _declaration(getattr(fn, "__name__", "engine")))
+    decl["name"] = name or decl["name"]
+    _check_keywords(fn, decl["name"], decl["features"])
+    return type(f"FunctionEngine_{decl['name']}", (FunctionEngine,), dict(function=staticmethod(fn), **decl))
+
+
+def _check_keywords(fn, name: str, features) -> None:
+    """A feature claimed by a function that cannot take its keyword is refused now, in one line, not
+    as a TypeError on the first call that passes it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or an extension without a signature: trust the claim
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for feature in sorted(features):
+        missing = [k for k in _KEYWORDS[feature] if k not in params]
+        if missing:
+            raise EngineError(f"engine {name} claims {feature!r} but its function takes no {missing[0]}= argument")
+
+
+def call_arguments(call: Call) -> tuple[tuple, dict]:
+    """The positional (q, k, v, q_offset) and keyword arguments of ``attention`` that make ``call``:
+    only the keywords the call uses, so that a plain ``f(q, k, v, q_offset, config)`` runs a dense call."""
+    s = call.shape
+    kw = {}
+    if call.seqs is not None:
+        q, k, v = call.q[0], call.k[0], call.v[0]
+        kw.update(cu_seqlens_q=call.seqs.cq, cu_seqlens_k=call.seqs.ck)
+        trace = call.trace_spec
+        offset = 0
+    else:
+        q = call.q[0] if call.squeeze else call.q
+        paged = call.pages is not None
+        k, v = (x if paged or not call.squeeze else x[0] for x in (call.k, call.v))
+        if paged:
+            kw.update(block_table=call.pages.table[0] if call.squeeze else call.pages.table, seqlen_k=call.pages.S)
+        trace = None if call.want is None else "all" if call.want.warps is None else sorted(call.want.warps)
+        offset = s.q_offset
+    kw.update(window=s.window, kv_state=call.kv_state, trace=trace,
+              warps=None if call.warps is None else sorted(call.warps))
+    return (q, k, v, offset), {key: value for key, value in kw.items() if value is not None}
+
+
+def as_result(name: str, res, call: Call, config: Config) -> Result:
+    """An engine's return value as a Result: a Result, or the output array alone (the other fields
+    None: not compared). Anything else, or an output not of q's shape and dtype float16, is an
+    EngineError naming the engine."""
+    q_shape = call.q.shape[1:] if call.squeeze or call.seqs is not None else call.q.shape  # a varlen q is packed
+    if isinstance(res, Result):
+        out = res.out
+    elif isinstance(res, np.ndarray) or hasattr(res, "__array__") and hasattr(res, "shape"):
+        out, res = res, None
+    else:
+        raise EngineError(f"engine {name} returned a {type(res).__name__}, expected a Result or the output array")
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise EngineError(f"engine {name} returned an out of type {type(out).__name__}, expected an array")
+    if tuple(out.shape) != tuple(q_shape):
+        raise EngineError(f"engine {name} returned an output of shape {tuple(out.shape)}, expected q's {tuple(q_shape)}")
+    if str(out.dtype) not in ("float16", "torch.float16"):
+        raise EngineError(f"engine {name} returned an output of dtype {out.dtype}, expected float16 (the output "
+                          f"attention returns)")
+    out = np.asarray(out.cpu() if hasattr(out, "cpu") else out)
+    if res is None:  # every field the engine did not return is None, whatever fields Result gains
+        absent = {f.name: None for f in dataclasses.fields(Result)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        return Result(**{**absent, "out": out, "config": config})
+    return dataclasses.replace(res, out=out)
+
+
+def _import(spec: str):
+    """``module:callable``, imported; EngineError in one line when it does not import."""
+    module, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as e:  # the user's module: whatever it raises on import is reported in one line
+        raise EngineError(f"engine {spec}: cannot import {module}: {type(e).__name__}: {_first_line(e)}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EngineError(f"engine {spec}: module {module} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _engine_class(spec: str, obj) -> type[Engine]:
+    """A class as it is (an Engine, as the entry points promise), a function wrapped."""
+    if isinstance(obj, type):
+        return obj
+    if callable(obj):
+        return wrap(obj, name=None if hasattr(obj, "apa_engine") else spec)
+    raise EngineError(f"engine {spec}: a {type(obj).__name__} is neither an Engine class nor a function")
+
+
 def _named() -> dict[str, EntryPoint]:
     """The engines of other packages: their entry points, then those of ``$APA_ENGINES``."""
     found = {ep.name: ep for ep in entry_points(group=GROUP)}
@@ -125,11 +292,20 @@ def registered() -> tuple[str, ...]:
     return tuple(sorted(set(_named()) - {"auto", "cpu"}))
 
 
+def is_spec(name: str) -> bool:
+    """Whether ``name`` is a ``module:callable`` rather than an engine's name."""
+    return ":" in name
+
+
 def load(name: str) -> type[Engine]:
-    """The engine class called ``name``: "cpu" or a registered one (KeyError otherwise)."""
+    """The engine class called ``name``: "cpu", a registered one (KeyError otherwise), or a
+    ``module:callable`` (an Engine class, or a function wrapped by ``wrap``; EngineError when it does
+    not import)."""
     if name == "cpu":
         return CpuEngine
+    if is_spec(name):
+        return _engine_class(name, _import(name))
     ep = _named().get(name)
     if ep is None:
         raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
-    return ep.load()
+    return _engine_class(name, ep.load())

@@ -13,72 +13,7 @@ from hypothesis import strategies as st
 
 from .config import Config
 from .geometry import HEAD_DIMS
-
-STRUCTURES = ("normal", "sink", "diffuse", "outliers", "channel", "tiny", "extreme")
-
-
-def make_inputs(seed, B, n, Hkv, G, d, S, structure, batched=True):
-    """FP16 q [B,n,H,d], k, v [B,S,Hkv,d] (no batch axis when not batched) of a given structure."""
-    rng = np.random.default_rng(seed)
-    H = Hkv * G
-    q = rng.standard_normal((B, n, H, d))
-    k = rng.standard_normal((B, S, Hkv, d))
-    v = rng.standard_normal((B, S, Hkv, d))
-    if structure == "sink":
-        # key 0 (and sometimes a second key) aligned with every query: a dominant sink
-        dirn = rng.standard_normal(d)
-        dirn /= np.linalg.norm(dirn)
-        q += 3.0 * dirn
-        k[:, 0] += rng.uniform(4, 40) * dirn
-        if S > 100:
-            k[:, rng.integers(1, S)] += 8.0 * dirn
-    elif structure == "diffuse":
-        q *= 0.02
-    elif structure == "outliers":
-        for x in (q, k, v):
-            x += rng.standard_normal(x.shape) * 10.0 * (rng.random(x.shape) < 0.002)
-    elif structure == "channel":
-        k += rng.standard_normal((1, 1, Hkv, d)) * rng.uniform(2, 200)
-        q *= rng.uniform(0.05, 2)
-    elif structure == "tiny":
-        scale = 2.0 ** rng.integers(-30, -14)
-        q *= scale * 2**10
-        k *= scale
-        v *= scale
-    elif structure == "extreme":
-        # magnitudes up to the top of FP16, finite; some rows and keys at the range edge
-        amp = float(rng.choice([1e2, 3e3, 6e4]))
-        q = np.clip(q * amp / 4, -65504, 65504)
-        k = np.clip(k * amp / 4, -65504, 65504)
-        v = np.clip(v * amp / 4, -65504, 65504)
-        k[:, rng.integers(0, S)] = 65504.0 * np.sign(rng.standard_normal(d))
-    q, k, v = (x.astype(np.float16) for x in (q, k, v))
-    if not batched:
-        q, k, v = q[0], k[0], v[0]
-    return q, k, v
-
-
-def paginate(k, v, page_size, seed):
-    """k, v [S, Hkv, d] or [B, S, Hkv, d] as page pools [pages, page_size, Hkv, d] with a block table
-    (numerics.md §5.0): every sequence's pages shuffled into one pool with two spare pages, and, for
-    odd seeds, a random page of the first sequence a hole (its keys and values then read as zeros)."""
-    rng = np.random.default_rng(seed)
-    kb, vb = (x[None] if x.ndim == 3 else x for x in (k, v))
-    B, S = kb.shape[:2]
-    per = -(-S // page_size)
-    pages = B * per + 2
-    order = rng.permutation(pages)
-    table = order[: B * per].reshape(B, per).astype(np.int32)
-    pool_k = rng.standard_normal((pages, page_size, *kb.shape[2:])).astype(np.float16)  # spare pages: noise
-    pool_v = rng.standard_normal(pool_k.shape).astype(np.float16)
-    pad = per * page_size - S
-    for b in range(B):
-        for x, pool in ((kb, pool_k), (vb, pool_v)):
-            rows = np.concatenate([x[b], np.zeros((pad, *x.shape[2:]), np.float16)])
-            pool[table[b]] = rows.reshape(per, page_size, *x.shape[2:])
-    if seed % 2:
-        table[0, rng.integers(per)] = -1
-    return pool_k, pool_v, table if k.ndim == 4 else table[0]
+from .problems import STRUCTURES, Problem, make_inputs, paginate  # noqa: F401  (re-exported: the strategies' inputs)
 
 
 @st.composite
@@ -101,6 +36,34 @@ def problems(draw, dims=HEAD_DIMS):
     structure = draw(st.sampled_from(STRUCTURES))
     seed = draw(st.integers(0, 2**32 - 1))
     return dict(seed=seed, B=B, n=n, Hkv=Hkv, G=G, d=d, S=S, structure=structure, batched=batched), q_offset
+
+
+@st.composite
+def engine_problems(draw, features=frozenset(), dims=HEAD_DIMS, seen=None):
+    """A ``Problem`` (apa_emu.problems) an engine implementing ``features`` (apa_emu.engines.FEATURES)
+    and head dims ``dims`` can run: ``problems()``, with a window, paged keys or a varlen batch where
+    the engine honours them. ``seen``, a Counter (apa_emu.testing.Seen), counts what was drawn: the
+    structure, GQA, a batch, d = 256, a window, pages, varlen."""
+    shape, q_offset = draw(problems(dims))
+    kind = draw(st.sampled_from(["dense", *sorted({"window", "paging", "varlen"} & set(features))]))
+    problem = Problem(**shape, q_offset=q_offset)
+    if kind == "window":
+        last = q_offset + shape["n"] - 1
+        least = max(1, last - shape["S"] + 2)  # every row keeps a key (§6.1)
+        problem = Problem(**shape, q_offset=q_offset, window=draw(st.integers(least, least + 200)))
+    elif kind == "paging":
+        problem = Problem(**shape, q_offset=q_offset, page_size=draw(st.sampled_from([1, 5, 16, 48, 64, 256])))
+    elif kind == "varlen":
+        seqs = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 150)), min_size=1, max_size=3))
+        seqlens = tuple((n, n + extra) for n, extra in seqs)  # bottom-right causal: keys >= rows
+        problem = Problem(**{**shape, "B": 1, "batched": False, "n": max(n for n, _ in seqlens),
+                             "S": max(S for _, S in seqlens)}, seqlens=seqlens)
+    if seen is not None:
+        seen[f"structure={problem.structure}"] += 1
+        seen.update(event for event, happened in (("GQA", problem.G > 1), ("batch", problem.B > 1),
+                                                  ("d=256", problem.d == 256), (kind, kind != "dense"))
+                    if happened)
+    return problem
 
 
 @st.composite

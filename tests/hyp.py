@@ -10,10 +10,11 @@ cold tile proves nothing.
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.internal.conjecture import engine
+
+from apa_emu.testing import Seen  # noqa: F401  (the plugin's, re-exported to the tests that import it here)
 
 THOROUGH = 25
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
@@ -46,10 +47,3 @@ def examples(n: int) -> int:
     """A test's example count under the active profile."""
     return n * SCALE
 
-
-class Seen(Counter):
-    """Counts events across a property's examples; ``require`` fails for any that never happened."""
-
-    def require(self, *events: str) -> None:
-        missing = [e for e in events if not self[e]]
-        assert not missing, f"the property never met: {', '.join(missing)} (seen: {dict(self)})"

@@ -408,6 +408,7 @@ def test_check_generated_problems(capsys, numpy_gpu, monkeypatch, tmp_path):
     monkeypatch.setattr(apa_gpu.api, "run", _planted("out"))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert "generated problem 1 (q (" in lines[0] and "stage the merge (FP16 output)" in lines[0]
+    assert "generated problem 1 (shrunk: " in lines[0] and "stage the merge (FP16 output)" in lines[0]
+    assert lines[-1].startswith("  replay: apa check --engine gpu --repro ")
     assert list(tmp_path.glob("apa_gpu_*.npz"))
     assert main(["check", "x.apadump", "--hypothesis", "2"]) == 2

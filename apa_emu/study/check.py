@@ -1,40 +1,51 @@
-"""``apa check``: the kernel against the emulator, bitwise, for anyone who edits ``cuda/``.
+"""``apa check``: an engine against the emulator (apa_emu.compare.check), by default the GPU kernel,
+bitwise, for anyone who edits ``cuda/``; any engine with ``--engine`` (a registered name or
+``module:callable``, docs/engines.md), bitwise when it claims bit-exactness, else in tolerance.
 
-The kernel is the engine registered as "gpu" (apa_emu/engines.py). Each comparison runs it under
-every chosen launch schedule, the engine's "schedule" option (``separate``: pass 1, pass 2 and the
-merge as three launches; ``fused``: one persistent launch; ``bounded``), since each is its own code
-path. It runs on the device, or on the kernel simulator under ``APA_GPU_BACKEND=sim`` (cuda/sim).
+An engine with launch schedules (the kernel's "schedule" option: ``separate``, ``fused``,
+``bounded``) runs under every chosen one, since each is its own code path. The kernel runs on the
+device, or on the kernel simulator under ``APA_GPU_BACKEND=sim`` (cuda/sim).
 
 On a dump, one KV head at a time (a head is a whole problem of its own, numerics.md §5): the chosen
-warps of the emulator against the kernel's, output, hot masks and every trace field. Or on problems
-and configs that Hypothesis generates (``apa_emu.strategies``). The first divergence is named by
-stage, warp, tile and field with both values (``apa_emu.compare``), and saved as a reproducer for
-``python -m apa_gpu.replay``.
+warps. Or on problems and configs that Hypothesis generates (``apa_emu.strategies``), shrunk to a
+minimal failing one. A bitwise divergence is named by stage, warp, tile and field with both values,
+and by the first differing (row, head); a tolerance check reports where the engine departs from APA.
+Every failure prints one command that replays it (``apa check --engine NAME --repro JSON``; for the
+kernel also ``python -m apa_gpu.replay FILE``).
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .. import engines
-from ..api import attention, run
-from ..call import resolve_call
-from ..compare import describe, first_divergence, save_reproducer
+from .. import trace as tr
+from ..compare import (MAX_REL_L2, Outcome, ToleranceReport, check, config_from_json, config_to_json, describe,
+                       resolve_mode, save_reproducer)
 from ..config import Config
 from ..engines import Engine
-from .. import trace as tr
 from ..geometry import ROWS
+from ..problems import Problem
 from .engine import BackendError, ready
 
-KERNEL = "gpu"  # the engine apa check compares with the emulator
+KERNEL = "gpu"  # the engine apa check compares with the emulator unless --engine names another
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine called ``name`` or given as ``module:callable``; one line when there is none."""
+    try:
+        return engines.load(name)
+    except KeyError as e:
+        raise BackendError(f"--engine {name}: {e.args[0]}") from None
 
 
 def kernel_class() -> type[Engine] | None:
-    """The engine apa check compares with the emulator; None when none is registered (apa check
-    says so when it runs)."""
+    """The kernel's engine class; None when none is registered (apa check says so when it runs)."""
     try:
         return engines.load(KERNEL)
     except KeyError:
@@ -45,6 +56,36 @@ def kernel_schedules() -> tuple[str, ...]:
     """The kernel's launch schedules, each of which apa check runs."""
     cls = kernel_class()
     return tuple(cls.options.get("schedule", ())) if cls else ()
+
+
+def require(name: str, dims, overrides=()) -> tuple[Engine, Config]:
+    """The engine ``name`` and the config to check it under (``claimed``), when it can run that config
+    at head dims ``dims`` here (else BackendError)."""
+    if name == KERNEL:
+        cls = kernel_class()
+        if cls is None:
+            raise BackendError(f"apa check runs the kernel: no engine {KERNEL!r} is registered (pip install -e '.[gpu]')")
+    else:
+        cls = engine_class(name)
+    cfg = claimed(cls, overrides)
+    engine, why = ready(cls, [cfg], dims)
+    if why:
+        raise BackendError(f"apa check runs the kernel: {why}" if name == KERNEL else f"--engine {name}: {why}")
+    return engine, cfg
+
+
+def claimed(engine, overrides) -> Config:
+    """The config to check: the one the engine claims (its ``config``, e.g. preset=seed), with the
+    user's --config toggles on top."""
+    return Config.from_overrides(list(overrides or []), base=Config.from_overrides(list(engine.config)))
+
+
+def launches(engine: Engine, schedules) -> list[tuple[str, dict]]:
+    """(words, run options) of each launch schedule to run: the chosen ones when the engine has any."""
+    if "schedule" not in engine.options:
+        return [("", {})]
+    return [(f", {s} schedule", dict(schedule=s)) for s in (schedules or engine.options["schedule"])]
+
 
 _RECORD_STAGES = {
     "visits": "pass 1 (visit records: frames, tile sums, hot votes)",
@@ -62,143 +103,205 @@ def stage_of(div: dict) -> str:
     return _RECORD_STAGES.get(div["where"], div["where"])
 
 
+def _subject(engine: str) -> str:
+    return "the kernel" if engine == KERNEL else f"engine {engine}"
+
+
 @dataclass(frozen=True)
 class Divergence:
-    """The first difference between kernel and emulator: where it was found, its stage, the
-    difference as ``apa_emu.compare.describe`` words it, and the reproducer's path."""
+    """A failed check: where (the dump and KV head, or the generated problem), and the Outcome
+    (bitwise: the first divergence, named by its stage; tolerance: the report); ``command`` replays
+    it, and for the kernel ``reproducer`` is also a file for ``python -m apa_gpu.replay``."""
 
     where: str
-    stage: str
-    detail: str
-    reproducer: Path
+    outcome: Outcome
+    command: str
+    reproducer: Path | None = None
+
+    @property
+    def stage(self) -> str | None:
+        return stage_of(self.outcome.divergence) if self.outcome.divergence else None
 
     def lines(self) -> list[str]:
-        return [f"apa check: the kernel differs from the emulator in {self.where}, stage {self.stage}",
-                f"  {self.detail}", f"  reproducer: python -m apa_gpu.replay {self.reproducer}"]
+        o = self.outcome
+        if o.mode == "bitwise":
+            lines = [f"apa check: {_subject(o.engine)} differs from the emulator in {self.where}, stage {self.stage}",
+                     f"  {describe(o.divergence)}"]
+            if self.reproducer:
+                lines.append(f"  reproducer: python -m apa_gpu.replay {self.reproducer}")
+            if o.pair is not None:
+                *lead, row, head = o.pair
+                lines.append(f"  first differing (row, head): ({row}, {head})" + (f" of batch {lead[0]}" if lead else ""))
+        else:
+            lines = [f"apa check: {_subject(o.engine)} departs from the emulator beyond relative L2 "
+                     f"{o.report.bound:g} in {self.where}", *(f"  {line}" for line in o.report.lines())]
+        return [*lines, f"  replay: {self.command}"]
 
 
-def require_gpu(cfg: Config, dims) -> Engine:
-    """The kernel's engine, when it can run ``cfg`` at head dims ``dims`` here (else BackendError)."""
-    cls = kernel_class()
-    engine, why = (ready(cls, [cfg], dims) if cls else
-                   (None, f"no engine {KERNEL!r} is registered (pip install -e '.[gpu]')"))
-    if why:
-        raise BackendError(f"apa check runs the kernel: {why}")
-    return engine
+def _command(spec: str, repro: dict) -> str:
+    return f"apa check --engine {shlex.quote(spec)} --repro {shlex.quote(json.dumps(repro, separators=(',', ':')))}"
 
 
-def _diverged(emu, gpu, where: str, q, k, v, q_offset, cfg, trace, schedule, place=None) -> Divergence | None:
-    div = first_divergence(emu, gpu, KERNEL)
+def _in_dump(div: dict | None, hk: int, G: int) -> dict | None:
+    """A divergence of a KV head's problem, located in the whole dump."""
     if div is None:
         return None
-    if div["where"] == "visits" and "visit" in div:  # name the visit's tile beside it
-        keys = list(div)
-        at = keys.index("visit") + 1
-        div = {k: div[k] for k in keys[:at]} | {"tile": int(emu.visits[div["record"]]["tile"])} | \
-            {k: div[k] for k in keys[at:]}
-    if place:
-        div = place(div)
-    path = save_reproducer(q, k, v, q_offset, cfg, trace, note=where, schedule=schedule)
-    return Divergence(where, stage_of(div), describe(div), path)
-
-
-def check_dump(dump, name: str, cfg: Config, warps=None, *, schedules=None, workers=1,
-               progress=None) -> tuple[Divergence | None, int]:
-    """Kernel (under each of ``schedules``) against emulator on ``warps`` (indices within each KV
-    head; None: all) of every KV head; returns the first divergence (None) and the number of warps
-    compared."""
-    kernel = require_gpu(cfg, [dump.hd])
-    schedules = kernel_schedules() if schedules is None else schedules
-    G, R = dump.group, dump.n * dump.group
-    nw = -(-R // ROWS)
-    chosen = np.arange(nw) if warps is None else np.asarray(warps)
-    if chosen.size == 0 or chosen.min() < 0 or chosen.max() >= nw:
-        raise ValueError(f"--warps: {name} has warps 0..{nw - 1} per KV head")
-    trace = [(0, 0, int(w)) for w in chosen]
-    packed = np.arange(R)
-    others = ~np.isin(packed // ROWS, chosen)
-    rest = np.setdiff1d(np.arange(nw), chosen)
-    for hk in range(dump.nkv):
-        q, k, v = (np.ascontiguousarray(x) for x in (dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk:hk + 1],
-                                                      dump.v[:, hk:hk + 1]))
-        emu = attention(q, k, v, dump.q_offset, cfg, warps=trace, trace=trace, workers=workers, progress=progress)
-        call = resolve_call(q, k, v, dump.q_offset, trace=trace)
-        for schedule in schedules:
-            gpu = kernel.run(call, cfg, schedule=schedule)
-            # The emulator ran the chosen warps only: elsewhere its output, bounds and masks are the kernel's.
-            elsewhere = (packed[others] // G, packed[others] % G)
-            emu.out[elsewhere] = gpu.out[elsewhere]
-            emu.err_bound[elsewhere] = gpu.err_bound[elsewhere]
-            emu.err_est[elsewhere] = gpu.err_est[elsewhere]
-            emu.hot[:, :, rest] = gpu.hot[:, :, rest]
-            found = _diverged(emu, gpu, f"{name} (KV head {hk}, {schedule} schedule)", q, k, v, dump.q_offset,
-                              cfg, trace, schedule, place=lambda div, hk=hk: _in_dump(div, hk, G))
-            if found:
-                return found, hk * chosen.size
-    return None, dump.nkv * chosen.size
-
-
-def _in_dump(div: dict, hk: int, G: int) -> dict:
-    """A divergence of a KV head's problem, located in the whole dump."""
     div = dict(div)
     if "hk" in div:
         div["hk"] = hk
     if div["where"] == "hot" and "index (b, hk, warp, word)" in div:
         b, _, w, word = div["index (b, hk, warp, word)"]
         div["index (b, hk, warp, word)"] = (b, hk, w, word)
-    if div["where"] in ("out", "err_bound", "err_est") and "index" in div:
+    if div["where"] not in ("visits", "hot", "rows") and "index" in div:
         row, head, *ch = div["index"]
         div["index"] = (row, hk * G + head, *ch)
     return div
 
 
-class _Found(Exception):
+def _head_problem(dump, hk: int):
+    G = dump.group
+    return tuple(np.ascontiguousarray(x) for x in (dump.q[:, hk * G:(hk + 1) * G], dump.k[:, hk:hk + 1],
+                                                   dump.v[:, hk:hk + 1]))
+
+
+def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=None, *, mode="auto",
+               schedules=None, max_rel_l2=MAX_REL_L2, workers=1, progress=None):
+    """``engine`` (named ``spec`` on the command line) against the emulator on ``warps`` (indices
+    within each KV head; None: all) of every KV head of ``dump``. Returns the first Divergence (None),
+    the number of warps compared, and in tolerance mode the report of every pair compared."""
+    mode = resolve_mode(engine, mode)
+    G = dump.group
+    nw = -(-dump.n * G // ROWS)
+    chosen = np.arange(nw) if warps is None else np.asarray(warps)
+    if chosen.size == 0 or chosen.min() < 0 or chosen.max() >= nw:
+        raise ValueError(f"--warps: {path.name} has warps 0..{nw - 1} per KV head")
+    triples = [(0, 0, int(w)) for w in chosen]
+    parts, done = [], 0
+    for hk in range(dump.nkv):
+        q, k, v = _head_problem(dump, hk)
+        for words, options in launches(engine, schedules):
+            outcome = check(engine, (q, k, v, dump.q_offset), {}, cfg, mode, warps=triples, options=options,
+                            max_rel_l2=max_rel_l2, workers=workers)
+            if mode == "tolerance":
+                m = outcome.measures
+                m.index[:, -1] += hk * G
+                parts.append(m)
+            if not outcome.passed and mode == "bitwise":
+                outcome.divergence = _in_dump(outcome.divergence, hk, G)
+                if outcome.pair is not None:
+                    outcome.pair = (outcome.pair[0], hk * G + outcome.pair[1])
+                repro = dict(dump=str(path), kv_head=hk, warps=[int(w) for w in chosen],
+                             config=json.loads(config_to_json(cfg)), mode=mode, options=options)
+                file = (save_reproducer(q, k, v, dump.q_offset, cfg, triples, note=path.name,
+                                        schedule=options.get("schedule", "separate"))
+                        if engine.name == KERNEL else None)
+                return Divergence(f"{path.name} (KV head {hk}{words})", outcome, _command(spec, repro), file), \
+                    done + chosen.size, None
+        done += chosen.size
+        if progress:
+            progress(done, dump.nkv * chosen.size)
+    if mode == "bitwise":
+        return None, done, None
+    report = ToleranceReport.of(parts, max_rel_l2)
+    if report.passed:
+        return None, done, report
+    repro = dict(dump=str(path), warps=[int(w) for w in chosen], config=json.loads(config_to_json(cfg)), mode=mode,
+                 max_rel_l2=max_rel_l2)
+    return Divergence(path.name, Outcome(engine.name, mode, False, report=report), _command(spec, repro)), done, report
+
+
+class _Failed(Exception):
     pass
 
 
-def check_generated(n: int, seed: int, progress=None, schedules=None) -> tuple[Divergence | None, int]:
-    """Kernel (under each of ``schedules``) against emulator on ``n`` problems and configs drawn by
-    Hypothesis from ``seed``."""
+def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto", schedules=None,
+                    max_rel_l2=MAX_REL_L2, progress=None):
+    """``engine`` against the emulator on ``n`` problems and configs drawn by Hypothesis from ``seed``:
+    the problems the engine can run (its features and head dims), every config it does not lack, or
+    the one it claims. A failure is shrunk to a minimal failing problem. Returns the Divergence (None),
+    the problems checked before it, and in tolerance mode the worst problem's report."""
     try:
-        from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+        from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
         from hypothesis import seed as seeded
+        from hypothesis import strategies as st
 
-        from ..strategies import configs, make_inputs, problems
+        from ..strategies import configs, engine_problems
     except ImportError as e:
         raise ImportError(f"apa check --hypothesis needs Hypothesis ({e}); pip install -e '.[test]'") from None
-    kernel = require_gpu(Config(), ())
-    schedules = kernel_schedules() if schedules is None else schedules
+    mode = resolve_mode(engine, mode)
+    drawn = st.just(claimed(engine, ())) if engine.config else configs()
+    failures, done, worst = [], [0], [None]
 
-    found: list[Divergence] = []
-    done = [0]
-
-    # Generate only: no shrinking (each example costs a kernel build at worst), the first divergence
-    # is the one reported, and Hypothesis prints nothing of its own.
     @seeded(seed)
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate], verbosity=Verbosity.quiet,
-              report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    @given(problems(kernel.head_dims), configs())
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
+              verbosity=Verbosity.quiet, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    @given(engine_problems(engine.features, engine.head_dims), drawn)
     def example(problem, cfg):
-        if found:  # Hypothesis replays the failing example once more
-            raise _Found
-        shape, q_offset = problem
-        q, k, v = make_inputs(**shape)
-        call = resolve_call(q, k, v, q_offset, trace="all")
-        emu = run(call, cfg)
-        done[0] += 1
-        for schedule in schedules:
-            gpu = kernel.run(call, cfg, schedule=schedule)
-            where = (f"generated problem {done[0]} (q {q.shape}, k {k.shape}, q_offset {q_offset}, {cfg}, "
-                     f"{schedule} schedule)")
-            div = _diverged(emu, gpu, where, q, k, v, q_offset, cfg, "all", schedule)
-            if div:
-                found.append(div)
-                raise _Found
-        if progress:
+        assume(engine.lacks(cfg, problem.d) is None)
+        if not failures:
+            done[0] += 1
+        args, kwargs = problem.arguments()
+        for words, options in launches(engine, schedules):
+            try:
+                outcome = check(engine, args, kwargs, cfg, mode, options=options, max_rel_l2=max_rel_l2)
+            except engines.EngineError as e:
+                failures.append((problem, cfg, options, words, e))
+                raise _Failed from None
+            if not outcome.passed:
+                failures.append((problem, cfg, options, words, outcome))
+                raise _Failed
+            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst()[1] >
+                                                         worst[0].worst()[1]):
+                worst[0] = outcome.report
+                worst[0].problem = f"{problem.describe()}, {cfg}{words}"
+        if progress and not failures:
             progress(done[0], n)
 
     try:
         example()
-    except _Found:
+    except _Failed:
         pass
-    return (found[0] if found else None), done[0]
+    if not failures:
+        return None, done[0], worst[0]
+    problem, cfg, options, words, found = failures[-1]  # the last failure Hypothesis ran: the shrunk one
+    repro = dict(problem=json.loads(problem.to_json()), config=json.loads(config_to_json(cfg)), mode=mode,
+                 options=options, **(dict(max_rel_l2=max_rel_l2) if mode == "tolerance" else {}))
+    command = _command(spec, repro)
+    if isinstance(found, engines.EngineError):
+        raise engines.EngineError(f"{found} on generated problem {done[0]}; replay: {command}")
+    file = None
+    if engine.name == KERNEL and problem.seqlens is None:
+        args, kwargs = problem.arguments()
+        file = save_reproducer(*args, cfg, "all", note=problem.describe(), schedule=options.get("schedule", "separate"),
+                               **kwargs)
+    where = f"generated problem {done[0]} (shrunk: {problem.describe()}, {cfg}{words})"
+    return Divergence(where, found, command, file), done[0], None
+
+
+def replay(engine: Engine, spec: str, text: str, progress=None):
+    """Rerun one check from ``--repro`` JSON (what a failure printed): a generated problem or a dump's
+    warps. Returns what check_dump or check returns as (Divergence or None, report or None)."""
+    from .dump import read_dump
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--repro: not JSON ({e})") from None
+    if not isinstance(data, dict) or not ({"problem", "dump"} & set(data)):
+        raise ValueError("--repro: expected the JSON a failure printed, with a 'problem' or a 'dump'")
+    cfg = config_from_json(json.dumps(data.get("config", {})))
+    mode, options = data.get("mode", "auto"), data.get("options") or {}
+    bound = float(data.get("max_rel_l2", MAX_REL_L2))
+    if "dump" in data:
+        path = Path(data["dump"])
+        dump = read_dump(path)
+        schedules = [options["schedule"]] if "schedule" in options else None
+        div, _, report = check_dump(engine, spec, dump, path, cfg, data.get("warps"), mode=mode, schedules=schedules,
+                                    max_rel_l2=bound, progress=progress)
+        return div, report
+    problem = Problem.from_json(data["problem"])
+    args, kwargs = problem.arguments()
+    outcome = check(engine, args, kwargs, cfg, mode, options=options, max_rel_l2=bound)
+    if outcome.passed:
+        return None, outcome.report
+    return Divergence(f"the problem replayed ({problem.describe()}, {cfg})", outcome, _command(spec, data)), None

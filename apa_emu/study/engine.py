@@ -76,15 +76,16 @@ def ready(cls: type[Engine], configs, dims) -> tuple[Engine | None, str | None]:
 
 def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> Engine:
     """The engine for a study of ``configs`` on dumps of head dims ``dims``: ``backend`` "cpu", a
-    registered engine's name such as "gpu" (BackendError naming what is missing when it cannot run)
+    registered engine's name such as "gpu" or a ``module:callable`` (docs/engines.md; BackendError
+    naming what is missing when it cannot run)
     or "auto": the first registered engine that can run every config, else the CPU, with a ``note``
     saying why when an engine is there but lacks a config or head dim, or ``devices`` asked for one.
     ``devices`` (--devices) only steer the choice: the engine runs on the GPU its process sees, each
     listed GPU being a cluster worker's (apa_emu.study.cluster). An Engine passes through."""
     if isinstance(backend, Engine):
         return backend
-    if backend not in (names := backends()):
-        raise ValueError(f"backend {backend!r}: expected one of {', '.join(names)}")
+    if backend not in (names := backends()) and not engines.is_spec(backend):
+        raise ValueError(f"backend {backend!r}: expected one of {', '.join(names)} or module:callable")
     if backend == "cpu":
         if devices:
             raise ValueError("--devices chooses GPUs: it needs the GPU backend, not --backend cpu")
@@ -148,7 +149,10 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
     call = resolve_call(q, k, v, dump.q_offset, warps=warps, trace=warps if trace else None)
     for cfg in configs:
         res = engine.run(call, cfg, progress=step(engine.steps(len(unit.warps))) if step else None)
-        hot = res.hot[0, 0] * keep
+        res = engines.as_result(engine.name, res, call, cfg)
+        # an engine that returns the output alone (docs/engines.md) has no hot tile and gives up its bound
+        hot = (np.zeros_like(keep) if res.hot is None else res.hot[0, 0]) * keep
+        bound = np.full(res.out.shape[:-1], np.inf, np.float32) if res.err_bound is None else res.err_bound
         scale = float(cfg.softmax_scale(dump.hd))
         if split or scale not in refs:
             refs[scale] = reference(engine, q, k, v, dump.q_offset, unit.rows, unit.heads, scale,
@@ -158,7 +162,7 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
         parts = (ref.hot_norm, ref.cold_norm, ref.cold_mass)
         est = (np.full(len(unit.rows), np.nan, np.float32) if res.err_est is None
                else res.err_est[unit.rows, unit.heads])
-        runs.append(UnitRun(out, res.err_bound[unit.rows, unit.heads], est, hot, metrics(engine, out, ref.out),
+        runs.append(UnitRun(out, bound[unit.rows, unit.heads], est, hot, metrics(engine, out, ref.out),
                             tuple(fp64.host(a) for a in parts) if split else None,
                             _in_dump(res.visits, hk), _in_dump(res.rows, hk)))
     return runs

@@ -1,82 +1,123 @@
-"""``apa check``: the GPU kernel against the emulator, bit for bit, on dumps or generated problems;
-the comparison itself is the library's ``check``."""
+"""``apa check``: an engine against the emulator (by default the GPU kernel, bitwise) on dumps, on
+generated problems, or on one replayed problem; the comparison itself is the library's ``check``."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...config import Config
+from ...compare import MAX_REL_L2, MODES
 from ...engines import CpuEngine
-from ..check import check_dump, check_generated, kernel_schedules, require_gpu
+from ..check import KERNEL, check_dump, check_generated, kernel_schedules, replay, require
 from ..dump import read_dump
 from ..report import cfg_name, say
 from . import common
 
-EXIT_DIVERGED = 1  # the kernel and the emulator differ
-HELP = "the GPU kernel against the emulator, bitwise (for edits to cuda/)"
-DESCRIPTION = ("run the kernel and the emulator on a dump (every warp, or --warps) or on generated problems "
-               "(--hypothesis N) and compare output, hot masks and every trace field bit for bit. Exit 0 when "
-               "equal; on a divergence print the first one (stage, warp, tile, field, both values), save a "
-               "reproducer for python -m apa_gpu.replay, and exit 1")
+EXIT_DIVERGED = 1  # the engine and the emulator differ (beyond the tolerance, in tolerance mode)
+HELP = "an engine against the emulator: the GPU kernel bitwise (for edits to cuda/), or your own (--engine)"
+DESCRIPTION = ("run an engine and the emulator on a dump (every warp, or --warps), on generated problems "
+               "(--hypothesis N) or on one problem a failure printed (--repro) and compare them: bitwise (output, "
+               "hot masks, every trace field the engine returns) when the engine claims bit-exactness, else in "
+               "tolerance (ULP distances, relative L2 and cosine per pair, and where they concentrate). Exit 0 when "
+               "they agree; else print the first divergence or the report, and the one command that replays it, "
+               "and exit 1. docs/engines.md says how to wrap a kernel as an engine")
 EPILOG = common.config_epilog()
 
 
 def add_arguments(p) -> None:
     p.add_argument("dumps", nargs="*", metavar="DUMP",
                    help="dump files or folders of *.apadump files (default: the built-in SmolLM2 dump)")
+    p.add_argument("--engine", default=KERNEL, metavar="NAME",
+                   help="the engine to check: a registered name or module:callable (a function with "
+                        "apa_emu.attention's signature, or an Engine class)")
+    p.add_argument("--mode", choices=MODES, default="auto",
+                   help="bitwise, tolerance, or auto: bitwise when the engine claims bit-exactness")
+    p.add_argument("--max-rel-l2", type=float, default=MAX_REL_L2, metavar="X",
+                   help="tolerance mode: the largest relative L2 distance of a pair's output to the emulator's")
     p.add_argument("--warps", help="warps of each KV head to compare: A:B (half-open), a,b,c or one index "
                                    "(default: all; the emulator runs each on the CPU)")
-    p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles of the dump check (keys below)")
+    p.add_argument("--config", nargs="*", metavar="KEY=VALUE",
+                   help="Config toggles of the dump check, on top of the config the engine claims (keys below)")
     p.add_argument("--hypothesis", type=common.count, metavar="N",
                    help="check N problems and configs drawn by Hypothesis (apa_emu/strategies.py) instead of dumps")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
+    p.add_argument("--repro", metavar="JSON", help="replay the one check a failure printed")
     p.add_argument("--schedule", choices=[*kernel_schedules(), "all"], default="all",
                    help="kernel launch schedule: one launch per stage (separate), one persistent launch for both "
                         "passes (fused), pass 1 one segment of tiles at a time (bounded, numerics.md §6.7), or all")
     p.add_argument("--workers", type=common.count, default=1, metavar="N", help="emulator processes over the warps")
 
 
-def _schedules(args) -> tuple[str, ...]:
-    return kernel_schedules() if args.schedule == "all" else (args.schedule,)
+def _schedules(args) -> tuple[str, ...] | None:
+    return None if args.schedule == "all" else (args.schedule,)
 
 
 def run(args) -> int:
-    cfg = common.config(args)
-    div, summary = _generated(args) if args.hypothesis else _dumps(args, cfg)
-    names = _schedules(args)
-    summary += f", {' and '.join([', '.join(names[:-1]), names[-1]] if len(names) > 1 else names)} schedule"
-    summary += "s" * (len(names) > 1)
+    if args.repro:
+        if args.dumps or args.warps or args.config or args.hypothesis:
+            raise ValueError("--repro replays the check it names: give it no dump, --warps, --config or --hypothesis")
+        engine, _ = require(args.engine, ())
+        div, report = replay(engine, args.engine, args.repro)
+        return _finish(div, report, engine, "the problem replayed")
+    if args.hypothesis:
+        div, summary, report, engine = _generated(args)
+    else:
+        div, summary, report, engine = _dumps(args)
+    return _finish(div, report, engine, summary)
+
+
+def _finish(div, report, engine, summary: str) -> int:
     if div:
         for line in div.lines():
             say(line)
         return EXIT_DIVERGED
-    say(f"apa check: the kernel equals the emulator bitwise (output, hot masks, every trace field) on {summary}")
+    if report is not None:
+        say(f"apa check: engine {engine.name} is within relative L2 {report.bound:g} of the emulator on {summary}")
+        for line in report.lines():
+            say(f"  {line}")
+        return 0
+    subject = "the kernel" if engine.name == KERNEL else f"engine {engine.name}"
+    say(f"apa check: {subject} equals the emulator bitwise (output, hot masks, every trace field) on {summary}")
     return 0
 
 
+def _schedule_words(engine, args) -> str:
+    if "schedule" not in engine.options:
+        return ""
+    names = _schedules(args) or tuple(engine.options["schedule"])
+    words = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    return f", {words} schedule" + "s" * (len(names) > 1)
+
+
 def _generated(args):
-    """The first divergence on --hypothesis problems (None if none), and what was checked."""
+    """The first divergence on --hypothesis problems (None if none), what was checked, the report."""
     if args.dumps or args.warps or args.config:
         raise ValueError("--hypothesis checks generated problems and configs: give it no dump, --warps or --config")
-    kernel = require_gpu(Config(), ())
+    engine, _ = require(args.engine, ())
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-    with common.progress(True, "check, generated problems", kernel.wait) as prog:
-        div, done = check_generated(args.hypothesis, seed, prog, schedules=_schedules(args))
-    return div, f"{done} generated problems and configs (--seed {seed})"
+    with common.progress(True, "check, generated problems", engine.wait) as prog:
+        div, done, report = check_generated(engine, args.engine, args.hypothesis, seed, mode=args.mode,
+                                            schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog)
+    what = f"problems under the config it claims, {' '.join(engine.config)}," if engine.config else \
+        "problems and configs"
+    return div, f"{done} generated {what} (--seed {seed}){_schedule_words(engine, args)}", report, engine
 
 
-def _dumps(args, cfg: Config):
-    """The first divergence on the dumps (None if none), and what was checked."""
+def _dumps(args):
+    """The first divergence on the dumps (None if none), what was checked, the report."""
     paths = common.dump_paths(args)
     dumps = [read_dump(p) for p in paths]
     warps = common.parse_list(args.warps, "--warps")
-    require_gpu(cfg, [d.hd for d in dumps])
-    div, done = None, 0
+    engine, cfg = require(args.engine, [d.hd for d in dumps], args.config)
+    div, done, report = None, 0, None
     with common.progress(True, "check", CpuEngine.wait) as prog:
         for path, dump in zip(paths, dumps):
-            div, count = check_dump(dump, path.name, cfg, warps, schedules=_schedules(args), workers=args.workers,
-                                    progress=prog)
+            div, count, report = check_dump(engine, args.engine, dump, path, cfg, warps, mode=args.mode,
+                                            schedules=_schedules(args), max_rel_l2=args.max_rel_l2, workers=args.workers,
+                                            progress=prog)
             done += count
             if div:
                 break
-    return div, f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {cfg_name(cfg)}"
+    claim = f"the config it claims, {' '.join(engine.config)}, and " if engine.config else ""
+    summary = (f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {claim}{cfg_name(cfg)}"
+               f"{_schedule_words(engine, args)}")
+    return div, summary, report, engine

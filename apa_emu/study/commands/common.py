@@ -58,6 +58,14 @@ def _devices(text: str) -> tuple[int, ...]:
     return devices
 
 
+def _backend(text: str) -> str:
+    names = backends()
+    if text in names or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))} or "
+                                     f"module:callable)")
+
+
 def study_options(p, many=True, units=True) -> None:
     """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
     and --json; and where the study's work is ``run_units``'s (``units``) and it takes many dumps,
@@ -70,11 +78,12 @@ def study_options(p, many=True, units=True) -> None:
         p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                    "(keys below)")
-    p.add_argument("--backend", choices=backends(), default="auto",
+    p.add_argument("--backend", type=_backend, default="auto", metavar="{" + ",".join(backends()) + "}|MODULE:CALLABLE",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
-                        "the same numbers")
+                        "the same numbers. module:callable: your engine (docs/engines.md); one that returns the "
+                        "output alone has no hot tile and an infinite err_bound")
     if many and units:
         p.add_argument("--cluster", type=cluster.parse, metavar="local[:N] | tcp://HOST:PORT",
                        help="run the (dump, KV head) units on Dask (the cluster extra): local starts one worker "

@@ -75,9 +75,12 @@ class PairReport:
 def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -> PairReport:
     pairs = Pairs.select(dump.n, dump.nh, [row], [head], names=("--row", "--head"))
     scan = run_pairs(dump, cfg, pairs, backend=backend, workers=workers, trace=True)
-    diag = pair_diagnostics(dump, scan, 0, scan.result)
+    traced = scan.result
+    if traced.rows is None:  # an engine that returns no trace records: the emulator's describe the pair
+        traced = run_pairs(dump, cfg, pairs, backend="cpu", workers=workers, trace=True).result
+    diag = pair_diagnostics(dump, scan, 0, traced)
     p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.hd))
-    hot = pair_hot(dump, scan.result, row, head)
+    hot = pair_hot(dump, traced, row, head)
     lane = (row * dump.group + head % dump.group) % ROWS
     hot_norm, cold_norm, _ = (float(x[0]) for x in scan.split)
     return PairReport(
@@ -89,7 +92,7 @@ def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -
         mass=mass, contrib_norm=np.linalg.norm(contrib, axis=1), hot=hot,
         visits=[Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]),
                       **{f: float(r[f][lane]) for f in ("c", "m", "tl", "la", "lc", "tv", "lv")})
-                for r in scan.result.visits],
+                for r in traced.visits],
     )
 
 

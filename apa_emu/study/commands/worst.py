@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...config import Config
-from ..engine import Engine
+from ..engine import CpuEngine, Engine
 from ..report import emit, table
 from ..scan import Job, PairDiagnostics, Pairs, Scan, check_count, engine_for, evaluate, pair_diagnostics
 from . import common
@@ -42,7 +42,9 @@ def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *, by: str 
     chosen = ranked[by]
     picked = {j: local[chosen[owner[chosen] == j]] for j in np.unique(owner[chosen]).tolist()}
     sub = [Job(jobs[j].dump, scans[j].pairs.take(idx), jobs[j].name) for j, idx in picked.items()]
-    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], engine, trace=True))))
+    # the diagnostics read §10's trace records: the emulator's, of an engine that returns none
+    tracer = engine if "trace" in engine.features else CpuEngine()
+    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], tracer, trace=True))))
     return scans, [(int(owner[c]), pair_diagnostics(jobs[owner[c]].dump, scans[owner[c]], int(local[c]),
                                                     traced[owner[c]].result)) for c in chosen], \
         len(set(chosen.tolist()) & set(ranked["cos"].tolist()))
