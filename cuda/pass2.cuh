@@ -375,7 +375,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         const EstRow er{ml[half][3], m2, row.l2, p2, cq, qs[0], qs[1], sh[half], __uint_as_float(kv[5]),
                         __uint_as_float(kv[6]), __uint_as_float(kv[7]), __uint_as_float(kv[8]), q2[half], f2[half],
                         nh, !bad[half]};
-        const float ee = merge_estimate(mw[half], er, a.est_k);
+        const float ee = merge_estimate<D>(mw[half], er, a.est_k);
         const size_t o = (geo.q0 + r / geo.G) * geo.H + hk * geo.G + r % geo.G;
         a.bound[o] = eb;
         a.est[o] = ee;
