@@ -212,15 +212,17 @@ __device__ __forceinline__ void p2_pv(Pass2State& st, const uint32_t (&pa)[4][4]
 // 4 k-steps from C = +0, binary32 accumulation: the A fragment's registers as B fragments, as pass 1's
 // p1_self_sums (pass1.cuh says why its diagonals are the rows' chains, and where they lie).
 __device__ __forceinline__ void p2_self_sums(Pass2State& st, const uint32_t (&pa)[4][4]) {
-    float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        mma_f32_acc(lo, pa[kk], pa[kk][0], pa[kk][2]);
-        mma_f32_acc(hi, pa[kk], pa[kk][1], pa[kk][3]);
-    }
     const int g = (threadIdx.x & 31) >> 2, src = 4 * g + (g >> 1);
-    st.p2s_lo = fadd(st.p2s_lo, __shfl_sync(0xFFFFFFFFu, (g & 1) ? lo[1] : lo[0], src));
-    st.p2s_hi = fadd(st.p2s_hi, __shfl_sync(0xFFFFFFFFu, (g & 1) ? hi[3] : hi[2], src));
+    // One accumulator for both rows' chains in turn, not two side by side: the latter made ptxas spill
+    // pass 2 (d = 128), this does not.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][0], pa[kk][2]);
+    st.p2s_lo = fadd(st.p2s_lo, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[1] : acc[0], src));
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][1], pa[kk][3]);
+    st.p2s_hi = fadd(st.p2s_hi, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[3] : acc[2], src));
 }
 
 // One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
