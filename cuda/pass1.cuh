@@ -123,10 +123,10 @@ __device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, co
     }
 }
 
-// update(x) of §7.9 for row h: rescale o (this lane's elements of the row), lc, la, ad, lv, ws (by α
-// twice: a sum of squares). The
-// spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
-// there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other value unchanged.
+// update(x) of §7.9 for row h: rescale o (this lane's elements of the row), lc, la, ad, lv, and ws by α
+// twice (a sum of squares). The spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a
+// sum of zero products is +0 there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other
+// value unchanged.
 // alpha: exp2(m ⊖ x) as the caller already has it (read only when x ≠ m).
 template <int NDN>
 __device__ __forceinline__ void p1_update_by(float x, float alpha, P1State<NDN>& st, int half) {
@@ -561,8 +561,9 @@ __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr,
 }
 
 // §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf,
-// ad1 = ad ⊗ Kf, ws1 = (ws ⊗ Kf) ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask words, set by lane 0's
-// atomics in this launch or an earlier segment's, read past L1) exports part = o ⊗ (vg ⊘ lc) (§9.5).
+// ad1 = ad ⊗ Kf, ws1 = (ws ⊗ Kf) ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask
+// words, set by lane 0's atomics in this launch or an earlier segment's, read past L1) exports
+// part = o ⊗ (vg ⊘ lc) (§9.5).
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
                                           const P1State<NDN>& st) {

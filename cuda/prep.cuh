@@ -163,21 +163,24 @@ __device__ __forceinline__ unsigned long long block_sums(const unsigned long lon
 }
 
 // §5.7: a key's norm h as its FP16 value's integer units of 2⁻²⁴, what the means sum (h ≥ 0).
-__device__ __forceinline__ unsigned long long norm_units(float h) { return (unsigned long long)f16_units(h_bits(f16(h))); }
+__device__ __forceinline__ unsigned long long norm_units(float h) {
+    return (unsigned long long)f16_units(h_bits(f16(h)));
+}
 
 // §5.7's integer sums of tile t into its kvsum entries i0 .. i0 + N − 1: stored, not added, so that a
 // tile formed again (a KV state's partial last tile, §5.9) replaces its sums. Every thread calls it.
 template <int N>
 __device__ __forceinline__ void tile_sums(unsigned long long* __restrict__ kvsum, const Geom& g, size_t bh, int t,
-                                          int i0, unsigned long long (&u)[N]) {
+                                          int i0, const unsigned long long (&u)[N]) {
     const unsigned long long total = block_sums(u);
     if (threadIdx.x < N) kvsum[(bh * g.ntkv_buf + t) * KV_SUMS + i0 + threadIdx.x] = total;
 }
 
-// §5.4 K̂ as FP16 (§5.6) and §5.7's kn, ek, k2n and the tile's sums of km, ekm. One thread per tile slot, its key's blocks in channel
-// order, so that the statistics' sums of squares (in channel order, §5.7) run alongside the blocks with
-// the values the image holds, without reading K or K̂ again: grid (span.hi − span.lo, Hkv, B), block
-// K_THREADS = TILE. Tiles below every window (§5.5) or past a shorter varlen sequence are never read.
+// §5.4 K̂ as FP16 (§5.6), §5.7's kn, ek, k2n and the tile's sums of km, ekm. One thread per tile slot,
+// its key's blocks in channel order, so that the statistics' sums of squares (in channel order, §5.7)
+// run alongside the blocks with the values the image holds, without reading K or K̂ again: grid
+// (span.hi − span.lo, Hkv, B), block K_THREADS = TILE. Tiles below every window (§5.5) or past a shorter
+// varlen sequence are never read.
 constexpr int K_THREADS = TILE;
 template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
@@ -236,10 +239,9 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
 }
 
 // §5.5 V̂ per channel and P group of 16 keys (slot order) as FP16 (§5.6), §5.7's vn, ev and the tile's
-// sums of vm ⊘ vg, evm ⊘ vg (and §5.8's ν
-// under the output hot test, nu not null). One block of V_THREADS threads per tile, thread (group, 8
-// channels): it loads its 16 keys' 8 channels as 16-byte rows and quantizes each channel's 16 values as
-// one block. The statistics are sums over a key's channels in order, across the tile's threads: each
+// sums of vm ⊘ vg, evm ⊘ vg (and §5.8's ν under the output hot test, nu not null). One block of
+// V_THREADS threads per tile, thread (group, 8 channels): it loads its 16 keys' 8 channels as 16-byte
+// rows and quantizes each channel's 16 values as one block. The statistics are sums over a key's channels in order, across the tile's threads: each
 // thread stages its raw values and the image's in shared memory (rows padded by one word, so that the
 // key threads' row reads hit distinct banks), and thread j then sums slot j's key. Grid
 // (span.hi − span.lo, Hkv, B); dynamic shared memory V_SMEM bytes.
