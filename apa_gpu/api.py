@@ -76,12 +76,13 @@ def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: 
 def _result(call: Call, cfg: Config, plan: Plan) -> Result:
     be, shape = device.backend(), call.shape
     out = be.xp.asnumpy(plan.out).view(np.float16)
-    bound = be.xp.asnumpy(plan.bound)
+    bound, est = be.xp.asnumpy(plan.bound), be.xp.asnumpy(plan.est)
     hot = be.xp.asnumpy(plan.hot)[..., :shape.W]
     visits, rows = plan.trace_arrays()
     return Result(
         out=out[0] if call.squeeze else out,
         err_bound=bound[0] if call.squeeze else bound,
+        err_est=est[0] if call.squeeze else est,
         hot=hot,
         active_tiles=plan.active_tiles(),
         hot_tiles=int(np.unpackbits(hot.view(np.uint8)).sum()),

@@ -27,6 +27,8 @@ import numpy as np
 from apa_emu.call import KV_STATS, TILE
 from apa_emu.call import trace as tr
 
+KV_MEANS = KV_STATS[KV_STATS.index("km"):]  # §5.7's means, kvstat's last columns, each summed per tile
+
 from .build import backend_name, build, find_nvcc
 from . import params
 from .params import Struct
@@ -245,6 +247,9 @@ class Layout(NamedTuple):
     v_smem: int  # its dynamic shared memory
     p1_carry: int  # pass 1's per-row state between the bounded schedule's launches (§6.7), binary32s
     tensor_map_bytes: int  # checked against TENSOR_MAP_BYTES
+    kv_sums: int  # per tile, the integer sums of §5.7's means
+    mean_threads: int  # block of apa_prep_means
+    p1_ml: int  # pass 1's export per row besides part (§7.10), binary32s
 
 
 @dataclass(frozen=True)
@@ -274,7 +279,7 @@ def check_layout(values, variant) -> Layout:
                            f"{len(Layout._fields)}")
     lay = Layout(*values)
     want = dict(tile=TILE, visit_bytes=tr.VISIT_DTYPE.itemsize, row_bytes=tr.row_dtype(variant.d).itemsize,
-                kv_stats=len(KV_STATS), tensor_map_bytes=TENSOR_MAP_BYTES)
+                kv_stats=len(KV_STATS), kv_sums=len(KV_MEANS), tensor_map_bytes=TENSOR_MAP_BYTES)
     bad = {k: (getattr(lay, k), v) for k, v in want.items() if getattr(lay, k) != v}
     if bad:
         raise RuntimeError(f"apa_gpu: {variant.name} disagrees with apa_emu (kernel, host): {bad}")

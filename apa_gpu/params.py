@@ -165,15 +165,17 @@ DECLARED = declared()
 GEOM_SIZES = DECLARED["GeomSizes"]  # cuda/common.cuh: the sizes every kernel derives its geometry from (§6)
 KV_PAGES = DECLARED["KvPages"]  # cuda/common.cuh: paged KV (§5.0); a null table is the contiguous layout
 TILE_SPAN = DECLARED["TileSpan"]  # cuda/common.cuh: the tiles a launch forms or visits (§6.7)
-PREP = DECLARED["PrepParams"]  # cuda/apa.cu: the five prep kernels (§5)
+PREP = DECLARED["PrepParams"]  # cuda/apa.cu: the six prep kernels (§5)
 PASS1_ARGS = DECLARED["Pass1Args"]  # cuda/pass1.cuh; Pass1Consts and Pass1Flags by the same names
 CERT = DECLARED["CertConsts"]  # cuda/merge.cuh: apa_emu.constants.CertConsts by the same names (§9.7)
+EST = DECLARED["EstConsts"]  # cuda/merge.cuh: apa_emu.constants.EstConsts by the same names (§9.8)
 PASS2_ARGS = DECLARED["Pass2Args"]  # cuda/pass2.cuh; Pass2Flags by the same names
 # cuda/apa.cu: the entry points of the two passes and of the fused persistent launch.
 PASS1, PASS2, FUSED = DECLARED["Pass1Params"], DECLARED["Pass2Params"], DECLARED["FusedParams"]
 
 # cuda/apa.cu's entry points and the struct each takes.
 KERNELS = {
-    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v"), PREP),
+    **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v",
+                     "apa_prep_means"), PREP),
     "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
 }

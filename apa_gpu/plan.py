@@ -41,14 +41,16 @@ def check_config(cfg: Config, d: int) -> None:
 
 class KVImages:
     """Prep's per-(b, hk) key images of pass 1 (cuda/prep.cuh): K̂, V̂ᵀ, ν (§5.8), with ``tiles`` slots,
-    and the certificate maxima (§5.7). A call forms its own: every tile, or in the bounded schedule
+    the certificate maxima and the estimate's means (§5.7), and the means' integer sums per tile
+    ``kvsum``, for ``key_tiles`` tiles (cuda/common.cuh Geom ntkv_buf: the call's, or a KV state's room,
+    which is ``tiles``) by their index. A call forms its own: every tile, or in the bounded schedule
     the sink tile and one segment at a time; a KV state (§5.9) keeps one across chunks, valid for
     ``key`` (the sizes and toggles prep read) and the state's statistics, its first ``held`` tiles
     complete."""
 
-    ARRAYS = ("khat", "vhat", "nu", "kvstat")
+    ARRAYS = ("khat", "vhat", "nu", "kvstat", "kvsum")
 
-    def __init__(self, shape: Shape, cfg: Config, tiles: int, kv_stats: int):
+    def __init__(self, shape: Shape, cfg: Config, tiles: int, kv_stats: int, key_tiles: int | None = None):
         xp = device.backend().xp
         B, Hkv, d = shape.B, shape.Hkv, shape.d
         self.key = self.key_of(shape, cfg)
@@ -57,6 +59,7 @@ class KVImages:
         self.khat, self.vhat = (xp.empty((B, Hkv, self.tiles, TILE * d), np.uint16) for _ in range(2))
         self.nu = xp.empty((B, Hkv, self.tiles, TILE), np.uint16) if cfg.hot_test == "output" else None
         self.kvstat = xp.zeros((B, Hkv, kv_stats), np.uint32)
+        self.kvsum = xp.empty((B, Hkv, key_tiles or tiles, len(device.KV_MEANS)), np.uint64)
 
     @staticmethod
     def key_of(shape: Shape, cfg: Config) -> tuple:
@@ -120,11 +123,11 @@ class Plan:
         self.qstat = xp.empty((B, Hkv, s.Rp, 3), np.float32)
         # A KV state's images, or this call's own: every tile, or the sink tile and one segment (§6.7).
         slots = 1 + min(self.segment, s.ntiles) if self.bounded else s.ntiles
-        self.images = images or KVImages(s, cfg, slots, lay.kv_stats)
+        self.images = images or KVImages(s, cfg, slots, lay.kv_stats, s.ntiles)
         for name in KVImages.ARRAYS:
             setattr(self, name, getattr(self.images, name))
         self.part = xp.empty((B, Hkv, s.Rp, d), np.float32)
-        self.ml = xp.empty((B, Hkv, s.Rp, 3), np.float32)
+        self.ml = xp.empty((B, Hkv, s.Rp, lay.p1_ml), np.float32)
         self.carry = xp.empty((B, Hkv, s.Rp, lay.p1_carry), np.float32) if self.bounded else None
         self.kv_maps, self._maps_for = None, None  # pass 2's tensor maps, and the k and v they describe
         # The hot words and the state's images are strided by the state's room (S_buf), or by S.
@@ -134,6 +137,7 @@ class Plan:
         rows = (B, s.n) if seqs is None else (int(seqs.cq[-1]),)  # varlen: packed [total_q, ...]
         self.out = xp.empty((*rows, s.H, d), np.uint16)
         self.bound = xp.empty((*rows, s.H), np.float32)
+        self.est = xp.empty((*rows, s.H), np.float32)
         self.counters = xp.zeros(4, np.uint32)
         self.flags = xp.zeros(max(self.items, 1), np.uint32)
         cu = (None, None) if seqs is None else (xp.asarray(seqs.cq.astype(np.int32)), xp.asarray(seqs.ck.astype(np.int32)))
@@ -195,7 +199,7 @@ class Plan:
         self._prep_params = dict(  # pass 2 reads k, v and pages from here too
             sz=self.sizes, q=q, k=k, v=v, pages=kv_pages, ksum=self.ksum, amax=self.amax, kmean=self.kmean,
             scales=self.scales, qhat=self.qhat, cq=self.cq, sh=self.sh, qstat=self.qstat, kvstat=self.kvstat,
-            khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, **self.prep_flags._asdict(),
+            kvsum=self.kvsum, khat=self.khat, vhat=self.vhat, nu=self.nu, qmul=self.qmul, **self.prep_flags._asdict(),
             span=self._span(0, 0))
         p = self._prep_params
         self.ksum.fill(0)
@@ -216,6 +220,7 @@ class Plan:
         else:
             self._form(from_tile, s.ntiles)
             self.images.held = s.S // TILE
+            self._means()
 
     def _tensor_maps(self, k, v, contiguous: bool) -> None:
         """Pass 2's tensor maps of contiguous k and v ([rows, Hkv, d], every batch entry's keys; cuda/
@@ -243,6 +248,10 @@ class Plan:
         self._launch("apa_prep_k", grid, lay.k_threads, p)
         self._launch("apa_prep_v", grid, lay.v_threads, p, lay.v_smem)
 
+    def _means(self) -> None:
+        """§5.7's means from the per-tile sums of every tile formed (the estimate's, §9.8)."""
+        self._launch("apa_prep_means", (self.shape.Hkv, self.shape.B), self.layout.mean_threads, self._prep_params)
+
     def segments(self) -> list[tuple[int, int]]:
         """The bounded schedule's segments of tiles after the sink tile, in the order pass 1 visits
         them (§6.7): descending for the diagonal order, ascending for the ascending one."""
@@ -252,7 +261,7 @@ class Plan:
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9); in the bounded
-        schedule, each segment's key images first and pass 1 over it."""
+        schedule, each segment's key images first and pass 1 over it, then the means of them all."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
         pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
@@ -262,8 +271,9 @@ class Plan:
         p = self._prep_params
         pass2 = dict(q=q, k=p["k"], v=p["v"], pages=p["pages"], kv_maps=self.kv_maps, sh=self.sh, part=self.part,
                      ml=self.ml, hot=self.hot, out=self.out, cq=self.cq, qstat=self.qstat, kvstat=self.kvstat,
-                     bound=self.bound, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul,
-                     **self.pass2_flags._asdict(), cert=cfg.cert_consts(s.d)._asdict())
+                     bound=self.bound, est=self.est, trace_rows=self.rows, row_base=self.row_base, qmul=self.qmul,
+                     **self.pass2_flags._asdict(), cert=cfg.cert_consts(s.d)._asdict(),
+                     est_k=cfg.est_consts(s.d)._asdict())
         self.hot.fill(0)
         if self.schedule == "fused":
             self.counters.fill(0)
@@ -283,6 +293,7 @@ class Plan:
                     span = self._span(0 if lo == 1 else lo, hi, lo)
                     self._launch("apa_pass1_segment", grid, threads,
                                  dict(sz=self.sizes, pass1=dict(pass1, span=span)), self.smem1)
+            self._means()
         elif not self.all_hot:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)

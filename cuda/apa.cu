@@ -4,12 +4,12 @@
 // (pass-2 output accumulation, §8.5), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:
-//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v (the images and the
-//   certificate's per-head maxima)
+//   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v (the images, the
+//   certificate's per-head maxima and the per-tile sums of the estimate's means) -> apa_prep_means
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge, reading K and V as given),
 // or the prep kernels, then apa_fused; or, bounded (§6.7), the statistics and apa_prep_q, then per
 // segment of tiles apa_prep_k and _v into the same images and apa_pass1_segment over it, then
-// apa_pass2. Each kernel takes one parameter struct (params.cuh), which
+// apa_prep_means and apa_pass2. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
 #include "params.cuh"
@@ -36,6 +36,7 @@ using namespace apa;
     X(float*, sh)                                                                                                \
     X(float*, qstat)                                                                                             \
     X(unsigned int*, kvstat)     /* zeroed by the host */                                                        \
+    X(unsigned long long*, kvsum) /* [B, Hkv, ntkv_buf, KV_SUMS]: §5.7's sums per tile */                         \
     X(uint16_t*, khat)                                                                                           \
     X(uint16_t*, vhat)                                                                                           \
     X(uint16_t*, nu)             /* §5.8, output hot test only (else null) */                                    \
@@ -96,14 +97,18 @@ extern "C" __global__ void __launch_bounds__(D) apa_prep_finalize(const __grid_c
 }
 
 extern "C" __global__ void __launch_bounds__(K_THREADS) apa_prep_k(const __grid_constant__ PrepParams p) {
-    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.kvstat, p.pages, Geom(p.sz, blockIdx.z), p.span,
+    APA_BY_LAYOUT(prep_k, p.k, p.kmean, p.scales, p.khat, p.kvstat, p.kvsum, p.pages, Geom(p.sz, blockIdx.z), p.span,
                   p.quant_k != 0, p.lsq != 0, p.interleaved != 0);
 }
 
 extern "C" __global__ void __launch_bounds__(V_THREADS) apa_prep_v(const __grid_constant__ PrepParams p) {
     APA_DYNAMIC_SMEM(smem);
-    APA_BY_LAYOUT(prep_v, smem, p.v, p.scales, p.vhat, p.kvstat, p.nu, p.pages, Geom(p.sz, blockIdx.z), p.span,
+    APA_BY_LAYOUT(prep_v, smem, p.v, p.scales, p.vhat, p.kvstat, p.kvsum, p.nu, p.pages, Geom(p.sz, blockIdx.z), p.span,
                   p.quant_v != 0, p.lsq != 0, p.interleaved != 0, p.v_f16 != 0);
+}
+
+extern "C" __global__ void __launch_bounds__(MEAN_THREADS) apa_prep_means(const __grid_constant__ PrepParams p) {
+    prep_means(p.kvsum, p.scales, p.kvstat, Geom(p.sz, blockIdx.y));
 }
 
 extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_constant__ PrepParams p) {
@@ -200,10 +205,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
 // shared memory of pass 1, of pass 2 without its hot-mask words and those words per mask word W,
 // the trace record sizes (checked against apa_emu.trace's dtypes), the blocks of apa_prep_k and
 // apa_prep_v and the latter's dynamic shared memory, pass 1's carried row state, and
-// the bytes of a tensor map (checked against apa_gpu/device.py's).
+// the bytes of a tensor map (checked against apa_gpu/device.py's); the per-tile sums of the means and
+// their block, and pass 1's export per row besides part.
 APA_EXPORT_INTS(apa_layout, WARPS, TILE, STATS_THREADS, KEYS_PER_CHUNK, P1_SMEM_BYTES, P2_SMEM_BYTES,
                 P2_SMEM_WORDS, VISIT_BYTES, ROW_BYTES, KV_STATS, K_THREADS, V_THREADS, V_SMEM, P1_CARRY,
-                TENSOR_MAP_BYTES);
+                TENSOR_MAP_BYTES, KV_SUMS, MEAN_THREADS, P1_ML);
 
 // Every parameter struct's layout (params.cuh), which apa_gpu/device.py checks before a launch.
 APA_PARAMS_EXPORT(GeomSizes)
@@ -212,6 +218,7 @@ APA_PARAMS_EXPORT(TileSpan)
 APA_PARAMS_EXPORT(PrepParams)
 APA_PARAMS_EXPORT(Pass1Args)
 APA_PARAMS_EXPORT(CertConsts)
+APA_PARAMS_EXPORT(EstConsts)
 APA_PARAMS_EXPORT(Pass2Args)
 APA_PARAMS_EXPORT(Pass1Params)
 APA_PARAMS_EXPORT(Pass2Params)

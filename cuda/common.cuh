@@ -35,7 +35,9 @@ constexpr int WARPS = D == 256 ? 4 : 12;
 constexpr int ROWS_PER_CTA = 16 * WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr uint32_t ONES_H2 = 0x3C003C00u;  // two binary16 ones
-constexpr int KV_STATS = 5;           // per-head certificate statistics kn, ek, k2n, vn, ev (§5.7)
+constexpr int KV_STATS = 9;  // per-head statistics kn, ek, k2n, vn, ev (maxima), km, ekm, vm, evm (means) (§5.7)
+constexpr int KV_SUMS = 4;   // per tile: the means' integer sums of km, ekm, vm ⊘ vg, evm ⊘ vg (§5.7)
+constexpr int P1_ML = 4;     // pass 1's export per row besides part: m1, l1, ad1, ws1 (§7.10)
 
 // The basic sizes of one call, as every kernel's parameter struct carries them (apa.cu).
 // A varlen batch (§6.6): sequence b has rows cu_q[b] .. cu_q[b+1]-1 of q and keys cu_k[b] ..

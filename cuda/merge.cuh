@@ -1,5 +1,5 @@
-// merge.cuh: the log-sum-exp merge of pass 1's and pass 2's results of one row, and the row's
-// output-error certificate (docs/numerics.md §9).
+// merge.cuh: the log-sum-exp merge of pass 1's and pass 2's results of one row, the row's
+// output-error certificate and its error estimate (docs/numerics.md §9).
 #pragma once
 
 #include "fpmath.cuh"
@@ -21,11 +21,10 @@ __device__ __forceinline__ MergeWeights merge_weights(float m1, float l1, float 
     return {M, w1, w2, den, fdiv(1.0f, fused ? madd(w1, l1, fmul(w2, l2), true) : den)};
 }
 
-// §9.4: two adjacent output channels from pass 1's part and pass 2's o2, as an f16x2 pair.
-__device__ __forceinline__ uint32_t merge_out2(const MergeWeights& mw, float2 part, float o2a, float o2b, bool fused) {
-    const float ya = fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), fused), mw.inv);
-    const float yb = fmul(madd(mw.w1, part.y, fmul(mw.w2, o2b), fused), mw.inv);
-    return f16x2(ya, yb);
+// §9.4 before its FP16 rounding: two adjacent output channels y from pass 1's part and pass 2's o2.
+__device__ __forceinline__ float2 merge_y2(const MergeWeights& mw, float2 part, float o2a, float o2b, bool fused) {
+    return make_float2(fmul(madd(mw.w1, part.x, fmul(mw.w2, o2a), fused), mw.inv),
+                       fmul(madd(mw.w1, part.y, fmul(mw.w2, o2b), fused), mw.inv));
 }
 
 // §9.7 constants of a call (apa_emu.constants.CertConsts, by the same names).
@@ -91,6 +90,45 @@ __device__ __forceinline__ float merge_bound(const MergeWeights& mw, const CertR
                              f32_from_bits(0x3F800800u));
     const bool lost = !r.finite || (r.nh > 0 && fmul(r.q2n, r.k2n) >= 65504.0f);  // step 11
     return lost ? pos_inf() : bound;
+}
+
+// §9.8 constants of a call (apa_emu.constants.EstConsts, by the same names).
+#define APA_FIELDS_EstConsts(X)                                                         \
+    X(float, rho) /* E2M1 rounding variance of P̂ per P̂²: 2⁻⁷ (quant_p), else 2⁻²⁵ */    \
+    X(float, cs)  /* pass 2's score chain per (log₂ score)² */                          \
+    X(float, cp)  /* P16 = f16(p) per p² */                                             \
+    X(float, ca)  /* pass 2's O accumulation per hot tile and ‖o2‖² */                  \
+    X(float, z)   /* standard deviations: 2 */
+struct EstConsts {
+    APA_FIELDS_EstConsts(APA_MEMBER)
+};
+
+// §9.8 inputs of one row besides its merge weights: pass 1's ws1, pass 2's m2, l2, P2, the row's c_q,
+// qn, eq, sh, the head's means km, ekm, vm, evm, the warp's hot tiles, the channel sums Q2 = ssq4(o2)
+// and F2 = ssq4(out ⊖ y), and whether every channel of the FP16 output is finite.
+struct EstRow {
+    float ws1, m2, l2, p2, cq, qn, eq, sh;
+    float km, ekm, vm, evm;
+    float q2, f2;
+    int nh;
+    bool finite;
+};
+
+// §9.8 steps 1–7: err_est, Z standard deviations of ‖out − O‖₂, for head dim DIM.
+template <int DIM>
+__device__ __forceinline__ float merge_estimate(const MergeWeights& mw, const EstRow& r, const EstConsts& k) {
+    const float ln2 = f32_from_bits(0x3F317218u);
+    const float a1 = fmul(r.eq, r.km), b1 = fmul(r.qn, r.ekm), cl = fmul(r.cq, ln2);  // step 1
+    const float s1 = fmul(fmul(fadd(fmul(a1, a1), fmul(b1, b1)), fmul(cl, cl)), 1.0f / (float)DIM);  // exact
+    const float x = fmul(r.vm, r.vm);  // step 2
+    const float kappa = fadd(fmul(fadd(s1, k.rho), x), fmul(r.evm, r.evm));
+    const float sc = r.l2 > 0.0f ? fabsf(fadd(r.m2, r.sh)) : 0.0f;  // step 3
+    const float ls = fmul(ln2, sc);
+    const float kappa2 = fmul(fadd(fmul(fmul(ls, ls), k.cs), k.cp), x);
+    const float vc = fmul(fmul(mw.w1, mw.w1), fmul(r.ws1, kappa));  // step 5
+    const float vh = fmul(fmul(mw.w2, mw.w2), fadd(fmul(r.p2, kappa2), fmul(fmul((float)r.nh, k.ca), r.q2)));
+    const float est = fmul(k.z, fsqrt(fadd(fdiv(fadd(vc, vh), fmul(mw.den, mw.den)), r.f2)));  // step 6
+    return r.finite ? est : pos_inf();  // step 7
 }
 
 }  // namespace apa

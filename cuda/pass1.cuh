@@ -1,7 +1,7 @@
 // pass1.cuh: pass 1 per warp of 16 packed rows (docs/numerics.md §7), CTA of WARPS warps (§6.2).
 //
 // Per lane (g = lane>>2, t0 = lane&3) the warp state (P1State) is held for the two rows g ("lo", h = 0)
-// and g+8 ("hi", h = 1) of the warp: m, la, lc, ad, lv replicated over the 4 lanes of the quad, and o as
+// and g+8 ("hi", h = 1) of the warp: m, la, lc, ad, lv, ws replicated over the 4 lanes of the quad, and o as
 // the f32 accumulator fragment of the cold P·V (channels 8dn + 2t0 + e). Every cross-lane reduction
 // below is a max (exact, order-free) or a vote; every sum is a tensor-core chain the spec defines.
 #pragma once
@@ -22,7 +22,7 @@ namespace apa {
     X(const float*, scales)                                                                                    \
     X(const uint16_t*, nu)    /* [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null) */     \
     X(float*, part)           /* [B, Hkv, Rp, D]; between the launches of the bounded schedule, o (§6.7) */    \
-    X(float*, ml)             /* [B, Hkv, Rp, 3] = (m1, l1, ad1) */                                            \
+    X(float*, ml)             /* [B, Hkv, Rp, 4] = (m1, l1, ad1, ws1) */                                       \
     X(float*, carry)          /* [B, Hkv, Rp, P1_CARRY]: the rest of the warp state between launches (§6.7) */ \
     X(TileSpan, span)         /* the images' slots and the tiles this launch visits */                         \
     X(uint32_t*, hot)         /* [B, Hkv, nw, W], zeroed by the host */                                        \
@@ -60,9 +60,9 @@ constexpr int P1_STAGES = D == 256 ? 3 : 5;  // D = 256: stages of 64 KB, 3 and 
 constexpr int P1_Q_HALVES = ROWS_PER_CTA * D;
 constexpr int P1_SMEM_BYTES = ring_smem_bytes<P1_STAGES>() + P1_Q_HALVES * 2;
 
-// The running sums of one row besides o (§7): la, lc, ad and the output test's lv.
+// The running sums of one row besides o (§7): la, lc, ad, the output test's lv and §9.8's cold Σ P̂² ws.
 struct P1Sums {
-    float la, lc, ad, lv;
+    float la, lc, ad, lv, ws;
 };
 
 // The running state of §7 of the lane's rows (h = 0: g, "lo"; h = 1: g + 8, "hi"), the twin of
@@ -80,17 +80,17 @@ struct P1State {
 template <int NDN>
 __device__ __forceinline__ void p1_init(P1State<NDN>& st) {
     st.m[0] = st.m[1] = neg_inf();
-    st.r[0] = st.r[1] = P1Sums{0.0f, 0.0f, 0.0f, 0.0f};
+    st.r[0] = st.r[1] = P1Sums{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int dn = 0; dn < NDN; ++dn) st.o[dn][0] = st.o[dn][1] = st.o[dn][2] = st.o[dn][3] = 0.0f;
     st.visit = 0;
 }
 
 // The bounded schedule (§6.7) ends a launch with the CTA's visiting order unfinished: each warp
-// stores its state (o in part, the rest in carry, as m, la, lc, ad, lv and the visit count's bits),
+// stores its state (o in part, the rest in carry, as m, la, lc, ad, lv, ws and the visit count's bits),
 // every row of the warp padding included, and the next launch resumes from it bit for bit. Only the
 // segment kernel loads it: with o loaded, ptxas serializes the kernel's wgmma (its warning C7515).
-constexpr int P1_CARRY = 6;
+constexpr int P1_CARRY = 7;
 template <int NDN>
 __device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
                                          bool store, P1State<NDN>& st) {
@@ -113,19 +113,20 @@ __device__ __forceinline__ void p1_carry(const Pass1Args& a, const Geom& geo, co
         }
         if (store) {
             if (wr.t0 == 0) {
-                c[0] = m, c[1] = x.la, c[2] = x.lc, c[3] = x.ad, c[4] = x.lv;
-                c[5] = __uint_as_float((uint32_t)st.visit);
+                c[0] = m, c[1] = x.la, c[2] = x.lc, c[3] = x.ad, c[4] = x.lv, c[5] = x.ws;
+                c[6] = __uint_as_float((uint32_t)st.visit);
             }
         } else {
-            m = c[0], x.la = c[1], x.lc = c[2], x.ad = c[3], x.lv = c[4];
-            st.visit = (int)__float_as_uint(c[5]);
+            m = c[0], x.la = c[1], x.lc = c[2], x.ad = c[3], x.lv = c[4], x.ws = c[5];
+            st.visit = (int)__float_as_uint(c[6]);
         }
     }
 }
 
-// update(x) of §7.9 for row h: rescale o (this lane's elements of the row), lc, la, ad, lv. The
-// spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a sum of zero products is +0
-// there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other value unchanged.
+// update(x) of §7.9 for row h: rescale o (this lane's elements of the row), lc, la, ad, lv, and ws by α
+// twice (a sum of squares). The spec's ⊕ (+0) on o is the P̂·V̂ MMA that ends every step, cold or not: a
+// sum of zero products is +0 there (§3.1), so a −0 that o ⊗ α left in C comes out +0, and every other
+// value unchanged.
 // alpha: exp2(m ⊖ x) as the caller already has it (read only when x ≠ m).
 template <int NDN>
 __device__ __forceinline__ void p1_update_by(float x, float alpha, P1State<NDN>& st, int half) {
@@ -141,6 +142,7 @@ __device__ __forceinline__ void p1_update_by(float x, float alpha, P1State<NDN>&
         r.la = fmul(r.la, alpha);
         r.ad = fmul(r.ad, alpha);
         r.lv = fmul(r.lv, alpha);
+        r.ws = fmul(fmul(r.ws, alpha), alpha);
         m = x;
     }
 }
@@ -260,10 +262,10 @@ __device__ __forceinline__ void p1_hot_branch(float c, float tl, float tv, float
 }
 
 // §7.8 cold branch for row h: frame c (a = exp2(m ⊖ c) from the hot test), la ⊕= tl, lv ⊕= tv,
-// lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass); the caller's P̂·V̂ adds to o. moved: as in
-// p1_hot_vote (without it c = m: no update, and no divergent branch to find that out).
+// lc ⊕= tl, ad ⊕= the groups' a_g summed in order (mass), ws ⊕= t2; the caller's P̂·V̂ adds to o. moved:
+// as in p1_hot_vote (without it c = m: no update, and no divergent branch to find that out).
 template <int NDN>
-__device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, bool moved,
+__device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float tv, float mass, float t2, bool moved,
                                                P1State<NDN>& st, int half) {
     P1Sums& r = st.r[half];
     if (moved) p1_update_by(c, a, st, half);
@@ -271,6 +273,26 @@ __device__ __forceinline__ void p1_cold_branch(float c, float a, float tl, float
     r.lv = fadd(r.lv, tv);
     r.lc = fadd(r.lc, tl);
     r.ad = fadd(r.ad, mass);
+    r.ws = fadd(r.ws, t2);
+}
+
+// §7.6 t2 (apa_emu/pass1.py p1_self_sums) of the lane's rows g and g + 8: the chain of each row's P̂
+// against itself over the 4 groups in slot order from C = +0. An m16n8k16 A fragment's registers a0,
+// a2 (row g, k = 2t0, 2t0 + 1 and + 8) are the B fragment registers b0, b1 of column n = g, so with
+// B = (a0, a2) column g of C is row g's P̂ and C[r][g] = P̂ᵣ·P̂_g, and with B = (a1, a3) C[r][g] =
+// P̂ᵣ·P̂_{g+8}: the diagonals C[g][g] and C[g + 8][g] are the rows' chains (an MMA's elements are
+// independent dot products). Lane (g, t0 = g >> 1) holds them as c[g & 1] and c[2 + (g & 1)]; the quad
+// takes them from there. Every lane of the warp calls it (a cold tile is warp-uniform: p1_hot_test's vote).
+__device__ __forceinline__ void p1_self_sums(const uint32_t (&pa)[4][4], float (&t2)[2]) {
+    float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int gi = 0; gi < 4; ++gi) {
+        mma_f32_acc(lo, pa[gi], pa[gi][0], pa[gi][2]);
+        mma_f32_acc(hi, pa[gi], pa[gi][1], pa[gi][3]);
+    }
+    const int g = (threadIdx.x & 31) >> 2, src = 4 * g + (g >> 1);
+    t2[0] = __shfl_sync(0xFFFFFFFFu, (g & 1) ? lo[1] : lo[0], src);
+    t2[1] = __shfl_sync(0xFFFFFFFFu, (g & 1) ? hi[3] : hi[2], src);
 }
 
 // §7.8 ((a₀ ⊕ a₁) ⊕ a₂) ⊕ a₃ of a row from the quad lanes t0 = g that hold each group's a_g.
@@ -481,8 +503,10 @@ __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr
         p1_zero(pa);
     } else {
         const float mass_lo = p1_group_mass(v.mass[0]), mass_hi = p1_group_mass(v.mass[1]);
-        p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, v.moved, st, 0);
-        p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, v.moved, st, 1);
+        float t2[2];
+        p1_self_sums(pa, t2);
+        p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, t2[0], v.moved, st, 0);
+        p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, t2[1], v.moved, st, 1);
     }
 }
 
@@ -537,8 +561,9 @@ __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr,
 }
 
 // §7.10 export of the warp's valid rows: part = o ⊗ vk with vk = vg ⊗ Kf, m1 = m, l1 = lc ⊗ Kf,
-// ad1 = ad ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask words, set by lane 0's
-// atomics in this launch or an earlier segment's, read past L1) exports part = o ⊗ (vg ⊘ lc) (§9.5).
+// ad1 = ad ⊗ Kf, ws1 = (ws ⊗ Kf) ⊗ Kf; under direct_store, a warp none of whose tiles was hot (its mask
+// words, set by lane 0's atomics in this launch or an earlier segment's, read past L1) exports
+// part = o ⊗ (vg ⊘ lc) (§9.5).
 template <int NDN>
 __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
                                           const P1State<NDN>& st) {
@@ -565,10 +590,11 @@ __device__ __forceinline__ void p1_export(const Pass1Args& a, const Geom& geo, c
             *reinterpret_cast<float2*>(prow + 8 * dn + 2 * wr.t0) = val;
         }
         if (wr.t0 == 0) {
-            float* ml = a.ml + (bh * geo.Rp_buf + r) * 3;
+            float* ml = a.ml + (bh * geo.Rp_buf + r) * P1_ML;
             ml[0] = st.m[half];
             ml[1] = fmul(st.r[half].lc, kf);
             ml[2] = fmul(st.r[half].ad, kf);
+            ml[3] = fmul(fmul(st.r[half].ws, kf), kf);
         }
     }
 }

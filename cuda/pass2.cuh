@@ -1,7 +1,7 @@
 // pass2.cuh: pass 2 per warp over its hot tiles in ascending order (docs/numerics.md §8), and the
 // CTA driver that ends with the merge of both passes (§9, merge.cuh).
 //
-// Per lane (g = lane>>2, t0 = lane&3), rows g ("lo") and g+8 ("hi"): m replicated over the quad,
+// Per lane (g = lane>>2, t0 = lane&3), rows g ("lo") and g+8 ("hi"): m and p2s replicated over the quad,
 // l4 = the lane's own per-t0 partial sum (§8.4: the m16n8k16 accumulator layout gives lane t0
 // exactly keys 8nt + 2t0 + e), O = the output accumulator fragment (f16x2 pairs or f32).
 #pragma once
@@ -22,27 +22,29 @@ namespace apa {
     X(const void*, kv_maps)        /* contiguous: the tensor maps of k and v (apa_gpu/device.py); paged: null */      \
     X(const float*, sh)            /* [B, Hkv, Rp] */                                                                 \
     X(const float*, part)          /* [B, Hkv, Rp, D] (unused when all_hot) */                                        \
-    X(const float*, ml)            /* [B, Hkv, Rp, 3] = (m1, l1, ad1) (unused when all_hot) */                        \
+    X(const float*, ml)            /* [B, Hkv, Rp, 4] = (m1, l1, ad1, ws1) (unused when all_hot) */                   \
     X(uint32_t*, hot)              /* [B, Hkv, nw, W]: read; written when all_hot */                                  \
     X(uint16_t*, out)              /* [B, n, H, D] f16 */                                                             \
     X(const float*, cq)            /* [B, Hkv, Rp] (§5.3) */                                                          \
     X(const float*, qstat)         /* [B, Hkv, Rp, 3] (§5.7) */                                                       \
-    X(const unsigned int*, kvstat) /* [B, Hkv, 5] float bits (§5.7) */                                                \
+    X(const unsigned int*, kvstat) /* [B, Hkv, KV_STATS] float bits (§5.7) */                                         \
     X(float*, bound)               /* [B, n, H] f32: err_bound (§9.7) */                                              \
+    X(float*, est)                 /* [B, n, H] f32: err_est (§9.8) */                                                \
     X(uint8_t*, trace_rows)        /* row_dtype(D) records (trace builds) */                                          \
     X(const int*, row_base)        /* [B, Hkv, nw]: record index of the warp's first row, -1 = not traced */          \
     X(float, qmul)                                                                                                    \
     X(int, all_hot)                /* ε < 0 (§9.6): no pass 1, every active tile hot */                               \
     X(int, fma)                    /* the seed's FMA sites (§1.8): §8.1 x, §9.3-9.4 */                                \
     X(int, direct)                 /* direct_store (§9.5): a warp with no hot tile stores f16(part), not the merge */ \
-    X(CertConsts, cert)
+    X(CertConsts, cert)                                                                                               \
+    X(EstConsts, est_k)
 struct Pass2Args {
     APA_FIELDS_Pass2Args(APA_MEMBER)
 };
 
-// row_dtype(D) byte layout (apa_emu/trace.py): b, hk, row (i4), m1, l1, m2, l2, ad1, err_bound (f4),
-// part[D], o2[D] (f4), out[D] (f2); packed, no alignment padding.
-constexpr int ROW_HEAD = 36;
+// row_dtype(D) byte layout (apa_emu/trace.py): b, hk, row (i4), m1, l1, m2, l2, ad1, err_bound, ws1, p2,
+// err_est (f4), part[D], o2[D] (f4), out[D] (f2); packed, no alignment padding.
+constexpr int ROW_HEAD = 48;
 constexpr int ROW_BYTES = ROW_HEAD + 10 * D;
 constexpr int ROW_PART = ROW_HEAD, ROW_O2 = ROW_HEAD + 4 * D, ROW_OUT = ROW_HEAD + 8 * D;
 
@@ -52,7 +54,7 @@ struct Pass2State {
 #else
     uint32_t O[D / 8][2];
 #endif
-    float m_lo, m_hi, l4_lo, l4_hi;
+    float m_lo, m_hi, l4_lo, l4_hi, p2s_lo, p2s_hi;
 };
 
 __device__ __forceinline__ void p2_init(Pass2State& st) {
@@ -66,6 +68,7 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     }
     st.m_lo = st.m_hi = neg_inf();
     st.l4_lo = st.l4_hi = 0.0f;
+    st.p2s_lo = st.p2s_hi = 0.0f;
 }
 
 // §8.1 scores of tile t (apa_emu/pass2.py p2_scores): S = chain over channels from C = +0, FP16
@@ -121,8 +124,8 @@ __device__ __forceinline__ void p2_mask(float (&x)[8][4], const WarpRows& wr, in
     }
 }
 
-// §8.2 frame (apa_emu/pass2.py p2_frame): m = max(m, the tile's row max), l4 and O rescaled by
-// a = exp2(m_old ⊖ m); ms: the shift of §8.3 (+0 while m = −inf).
+// §8.2 frame (apa_emu/pass2.py p2_frame): m = max(m, the tile's row max), l4, O and (twice) p2s rescaled
+// by a = exp2(m_old ⊖ m); ms: the shift of §8.3 (+0 while m = −inf).
 __device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4], float& ms_lo, float& ms_hi) {
     float mx_lo = st.m_lo, mx_hi = st.m_hi;
 #pragma unroll
@@ -142,6 +145,8 @@ __device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4],
     ms_hi = (st.m_hi == neg_inf()) ? 0.0f : st.m_hi;
     st.l4_lo = fmul(st.l4_lo, a_lo);
     st.l4_hi = fmul(st.l4_hi, a_hi);
+    st.p2s_lo = fmul(fmul(st.p2s_lo, a_lo), a_lo);
+    st.p2s_hi = fmul(fmul(st.p2s_hi, a_hi), a_hi);
 #if APA_P2_F32
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
@@ -203,6 +208,23 @@ __device__ __forceinline__ void p2_pv(Pass2State& st, const uint32_t (&pa)[4][4]
     }
 }
 
+// §8.5 t2 (apa_emu/pass2.py p2_self_sums): p2s ⊕= the chain of each row's P16 against itself over the
+// 4 k-steps from C = +0, binary32 accumulation: the A fragment's registers as B fragments, as pass 1's
+// p1_self_sums (pass1.cuh says why its diagonals are the rows' chains, and where they lie).
+__device__ __forceinline__ void p2_self_sums(Pass2State& st, const uint32_t (&pa)[4][4]) {
+    const int g = (threadIdx.x & 31) >> 2, src = 4 * g + (g >> 1);
+    // One accumulator for both rows' chains in turn, not two side by side: the latter made ptxas spill
+    // pass 2 (d = 128), this does not.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][0], pa[kk][2]);
+    st.p2s_lo = fadd(st.p2s_lo, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[1] : acc[0], src));
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][1], pa[kk][3]);
+    st.p2s_hi = fadd(st.p2s_hi, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[3] : acc[2], src));
+}
+
 // One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
 template <bool FUSED>
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
@@ -216,6 +238,7 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
     uint32_t pa[4][4];
     p2_probs(st, x, ms_lo, ms_hi, pa);
     p2_pv(st, pa, Vs);
+    p2_self_sums(st, pa);
 }
 
 // o2 element of this lane: row half (0 lo, 1 hi), channel 8dn + 2t0 + e (§8.6: o2 = float(O)).
@@ -228,8 +251,9 @@ __device__ __forceinline__ float p2_o2(const Pass2State& st, int dn, int half, i
 #endif
 }
 
-// §8.6 l2 of the lane's two rows from the quad's four l4 partials: (l4[0] ⊕ l4[1]) ⊕ (l4[2] ⊕ l4[3]).
-__device__ __forceinline__ float p2_l2(float l4) {
+// §8.6 l2 of the lane's two rows from the quad's four l4 partials: (l4[0] ⊕ l4[1]) ⊕ (l4[2] ⊕ l4[3]); the
+// same sum of the quad's per-t0 partials is §9.8's ssq4.
+__device__ __forceinline__ float quad_sum(float l4) {
     const int lane = threadIdx.x & 31, base = lane & ~3;
     const float a0 = __shfl_sync(0xFFFFFFFFu, l4, base + 0);
     const float a1 = __shfl_sync(0xFFFFFFFFu, l4, base + 1);
@@ -262,29 +286,33 @@ using Pass2Ring = TileRing<P2_STAGES, P2_SLICES>;
 constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES * P2_SLICES>();
 constexpr int P2_SMEM_WORDS = P2_SLICES + WARPS;
 
-// §8.6 end, §9 merge and §9.7 certificate of the warp's valid rows (every warp, with or without hot
-// tiles: §9.5), stored to out and bound and, in trace builds, to the row records (§10). Pass 1's ml and
-// part are read with ld.global.cg (see pass2_cta). Hs: the warp's hot-mask words (nh of §9.7).
+// §8.6 end, §9 merge, §9.7 certificate and §9.8 estimate of the warp's valid rows (every warp, with or
+// without hot tiles: §9.5), stored to out, bound and est and, in trace builds, to the row records (§10).
+// Pass 1's ml and part are read with ld.global.cg (see pass2_cta). Hs: the warp's hot-mask words (nh of
+// §9.7); sh: the rows' shifts (§5.3).
 __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& geo, const WarpRows& wr,
-                                              const Pass2State& st, const uint32_t* Hs, int b, int hk) {
+                                              const Pass2State& st, const uint32_t* Hs, int b, int hk,
+                                              const float (&sh)[2]) {
     constexpr int NDN = D / 8;
     const size_t bh = (size_t)b * geo.Hkv + hk;
-    const float l2_lo = p2_l2(st.l4_lo);
-    const float l2_hi = p2_l2(st.l4_hi);
+    const float l2_lo = quad_sum(st.l4_lo);
+    const float l2_hi = quad_sum(st.l4_hi);
     int nh = 0;
     for (int j = 0; j <= (wr.Tw >> 5); ++j) nh += __popc(Hs[j]);
-    float ml[2][3];
+    float ml[2][P1_ML];
     MergeWeights mw[2];
     bool bad[2] = {false, false};  // a non-finite channel of the lane's share of the row
+    // §9.8 ssq4's lane sums (this lane is t0) of o2 and of the final rounding's error out ⊖ y
+    float q2[2] = {0.0f, 0.0f}, f2[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         ml[half][0] = neg_inf();
-        ml[half][1] = ml[half][2] = 0.0f;
+        ml[half][1] = ml[half][2] = ml[half][3] = 0.0f;
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         const int r = half ? wr.r_hi : wr.r_lo;
         if (!a.all_hot) {
 #pragma unroll
-            for (int i = 0; i < 3; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp_buf + r) * 3 + i);
+            for (int i = 0; i < P1_ML; ++i) ml[half][i] = __ldcg(a.ml + (bh * geo.Rp_buf + r) * P1_ML + i);
         }
         mw[half] = merge_weights(ml[half][0], ml[half][1], half ? st.m_hi : st.m_lo, half ? l2_hi : l2_lo, a.fma);
         const int i_q = r / geo.G, h = hk * geo.G + r % geo.G;
@@ -303,12 +331,16 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             float2 pv = make_float2(0.0f, 0.0f);
             if (!a.all_hot) pv = __ldcg(reinterpret_cast<const float2*>(prow + c));
             const float o2a = p2_o2(st, dn, half, 0), o2b = p2_o2(st, dn, half, 1);
-            const uint32_t pr = a.direct && nh == 0 ? f16x2(pv.x, pv.y) : merge_out2(mw[half], pv, o2a, o2b, a.fma);
+            const float2 y = a.direct && nh == 0 ? pv : merge_y2(mw[half], pv, o2a, o2b, a.fma);  // §9.5, §9.4
+            const uint32_t pr = f16x2(y.x, y.y);
             *reinterpret_cast<uint32_t*>(orow + c) = pr;
             bad[half] |= (pr & 0x7C00u) == 0x7C00u || (pr & 0x7C000000u) == 0x7C000000u;
+            const float ea = fsub(f32h(h2_lo(pr)), y.x), eb = fsub(f32h(h2_hi(pr)), y.y);
+            q2[half] = fadd(fadd(q2[half], fmul(o2a, o2a)), fmul(o2b, o2b));
+            f2[half] = fadd(fadd(f2[half], fmul(ea, ea)), fmul(eb, eb));
 #if APA_TRACE
             if (rec != nullptr) {
-                // Records are only 4-byte aligned (36 + 10 D bytes each): scalar stores.
+                // Records are only 4-byte aligned (48 + 10 D bytes each): scalar stores.
                 float* fp = reinterpret_cast<float*>(rec + ROW_PART + 4 * c);
                 float* fo = reinterpret_cast<float*>(rec + ROW_O2 + 4 * c);
                 fp[0] = pv.x; fp[1] = pv.y;
@@ -318,13 +350,16 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
 #endif
         }
     }
-    // Finiteness of each row over its quad (an OR: order-free), with every lane of the warp present.
+    // Finiteness of each row over its quad (an OR: order-free), and ssq4's quad sums, with every lane of
+    // the warp present.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         int any = bad[half] ? 1 : 0;
         any |= __shfl_xor_sync(0xFFFFFFFFu, any, 1);
         any |= __shfl_xor_sync(0xFFFFFFFFu, any, 2);
         bad[half] = any != 0;
+        q2[half] = quad_sum(q2[half]);
+        f2[half] = quad_sum(f2[half]);
     }
     if (wr.t0 != 0) return;
     const unsigned int* kv = a.kvstat + bh * KV_STATS;
@@ -333,12 +368,19 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         const int r = half ? wr.r_hi : wr.r_lo;
         const float* qs = a.qstat + (bh * geo.Rp_buf + r) * 3;
-        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, a.cq[bh * geo.Rp_buf + r],
+        const float cq = a.cq[bh * geo.Rp_buf + r], m2 = half ? st.m_hi : st.m_lo, p2 = half ? st.p2s_hi : st.p2s_lo;
+        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, cq,
                           qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
                           __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
                           half ? wr.lo_hi : wr.lo_lo, half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
         const float eb = merge_bound(mw[half], row, a.cert, a.qmul);
-        a.bound[(geo.q0 + r / geo.G) * geo.H + hk * geo.G + r % geo.G] = eb;
+        const EstRow er{ml[half][3], m2, row.l2, p2, cq, qs[0], qs[1], sh[half], __uint_as_float(kv[5]),
+                        __uint_as_float(kv[6]), __uint_as_float(kv[7]), __uint_as_float(kv[8]), q2[half], f2[half],
+                        nh, !bad[half]};
+        const float ee = merge_estimate<D>(mw[half], er, a.est_k);
+        const size_t o = (geo.q0 + r / geo.G) * geo.H + hk * geo.G + r % geo.G;
+        a.bound[o] = eb;
+        a.est[o] = ee;
 #if APA_TRACE
         const int rb = a.row_base[bh * geo.nw_buf + wr.w];
         if (rb >= 0) {
@@ -346,8 +388,8 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
             int* hdr = reinterpret_cast<int*>(rec);
             float* fh = reinterpret_cast<float*>(rec);
             hdr[0] = b; hdr[1] = hk; hdr[2] = r;
-            fh[3] = ml[half][0]; fh[4] = ml[half][1]; fh[5] = half ? st.m_hi : st.m_lo; fh[6] = row.l2;
-            fh[7] = ml[half][2]; fh[8] = eb;
+            fh[3] = ml[half][0]; fh[4] = ml[half][1]; fh[5] = m2; fh[6] = row.l2;
+            fh[7] = ml[half][2]; fh[8] = eb; fh[9] = ml[half][3]; fh[10] = p2; fh[11] = ee;
         }
 #endif
     }
@@ -458,7 +500,7 @@ __device__ __forceinline__ void pass2_cta(const Pass2Args& a, const Geom& geo, u
         cur = p2_next_tile(U, cur + 1, wr.Tmax);
     }
 
-    if (wr.warp_active) p2_merge_rows(a, geo, wr, st, Hs, b, hk);
+    if (wr.warp_active) p2_merge_rows(a, geo, wr, st, Hs, b, hk, {sh_lo, sh_hi});
 }
 
 }  // namespace apa

@@ -6,8 +6,9 @@
 //   amax [B, Hkv, 2] u32 (float bits of max|K|, max|V|; zeroed by the host)
 //   kmean [B, Hkv, D] f32; scales [B, Hkv, 2] f32 = (kg, vg)
 //   qhat [B, Hkv, Rp, D] f16 (pass-1 operand Q̂), cq [B, Hkv, Rp] f32, sh [B, Hkv, Rp] f32
-//   qstat [B, Hkv, Rp, 3] f32 = (qn, eq, q2n); kvstat [B, Hkv, 5] u32 = float bits of (kn, ek, k2n, vn,
-//   ev) (§5.7; zeroed by the host)
+//   qstat [B, Hkv, Rp, 3] f32 = (qn, eq, q2n); kvstat [B, Hkv, KV_STATS] u32 = float bits of (kn, ek, k2n,
+//   vn, ev) (§5.7's maxima; zeroed by the host) and (km, ekm, vm, evm) (its means, prep_means)
+//   kvsum [B, Hkv, ntkv_buf, KV_SUMS] u64: per tile, the integer sums of §5.7's means (prep_k, prep_v)
 //   khat, vhat [B, Hkv, stride, 64 * D] f16: K̂ and V̂ as scale-folded FP16 values (§4.5), tile t at
 //   slot span.slot(t) (common.cuh TileSpan: every tile, or the bounded schedule's sink and segment), keys of a
 //   tile in slot order (§7.3; common.cuh slot_key), keys >= S zero. Each tile is the wgmma operand
@@ -145,18 +146,47 @@ __device__ __forceinline__ void kvstat_max(unsigned int* __restrict__ kvstat, si
     }
 }
 
-// The keys some row sees (§5.7): the certificate's statistics are maxima over them.
+// The keys some row sees (§5.7): the certificate's statistics are maxima over them, the estimate's means.
 __device__ __forceinline__ bool cert_key(const Geom& g, int key) { return key < g.S && key >= g.lo(0); }
 
-// §5.4 K̂ as FP16 (§5.6) and §5.7's kn, ek, k2n. One thread per tile slot, its key's blocks in channel
-// order, so that the statistics' sums of squares (in channel order, §5.7) run alongside the blocks with
-// the values the image holds, without reading K or K̂ again: grid (span.hi − span.lo, Hkv, B), block
-// K_THREADS = TILE. Tiles below every window (§5.5) or past a shorter varlen sequence are never read.
+// The block's sums of its threads' u[i] (integers: order-free), returned to thread i < N (0 to the
+// others). Every thread of the block calls it.
+template <int N>
+__device__ __forceinline__ unsigned long long block_sums(const unsigned long long (&u)[N]) {
+    __shared__ unsigned long long acc[N];
+    if (threadIdx.x < N) acc[threadIdx.x] = 0ull;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) atomicAdd(&acc[i], u[i]);  // prep's blocks are small: an atomic per thread
+    __syncthreads();
+    return threadIdx.x < N ? acc[threadIdx.x] : 0ull;
+}
+
+// §5.7: a key's norm h as its FP16 value's integer units of 2⁻²⁴, what the means sum (h ≥ 0).
+__device__ __forceinline__ unsigned long long norm_units(float h) {
+    return (unsigned long long)f16_units(h_bits(f16(h)));
+}
+
+// §5.7's integer sums of tile t into its kvsum entries i0 .. i0 + N − 1: stored, not added, so that a
+// tile formed again (a KV state's partial last tile, §5.9) replaces its sums. Every thread calls it.
+template <int N>
+__device__ __forceinline__ void tile_sums(unsigned long long* __restrict__ kvsum, const Geom& g, size_t bh, int t,
+                                          int i0, const unsigned long long (&u)[N]) {
+    const unsigned long long total = block_sums(u);
+    if (threadIdx.x < N) kvsum[(bh * g.ntkv_buf + t) * KV_SUMS + i0 + threadIdx.x] = total;
+}
+
+// §5.4 K̂ as FP16 (§5.6), §5.7's kn, ek, k2n and the tile's sums of km, ekm. One thread per tile slot,
+// its key's blocks in channel order, so that the statistics' sums of squares (in channel order, §5.7)
+// run alongside the blocks with the values the image holds, without reading K or K̂ again: grid
+// (span.hi − span.lo, Hkv, B), block K_THREADS = TILE. Tiles below every window (§5.5) or past a shorter
+// varlen sequence are never read.
 constexpr int K_THREADS = TILE;
 template <bool PAGED>
 __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const float* __restrict__ kmean,
                                        const float* __restrict__ scales, uint16_t* __restrict__ khat,
-                                       unsigned int* __restrict__ kvstat, const KvPages& pg, const Geom& g,
+                                       unsigned int* __restrict__ kvstat, unsigned long long* __restrict__ kvsum,
+                                       const KvPages& pg, const Geom& g,
                                        const TileSpan& span, bool quant, bool lsq, bool interleaved) {
     const int b = blockIdx.z, hk = blockIdx.y, tile = span.lo + blockIdx.x, slot = threadIdx.x;
     if (tile < g.first_tile(0) || tile >= min(span.hi, g.ntkv)) return;  // the whole block
@@ -203,13 +233,15 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     }
     const bool counted = cert_key(g, key);
     float st[3] = {counted ? nrm_end(s0) : 0.0f, counted ? nrm_end(s1) : 0.0f, counted ? nrm_end(s2) : 0.0f};
+    unsigned long long u[2] = {norm_units(st[0]), norm_units(st[1])};  // before kvstat_max reduces st
+    tile_sums(kvsum, g, bh, tile, 0, u);
     kvstat_max(kvstat, bh, 0, st);
 }
 
-// §5.5 V̂ per channel and P group of 16 keys (slot order) as FP16 (§5.6), and §5.7's vn, ev (and §5.8's ν
-// under the output hot test, nu not null). One block of V_THREADS threads per tile, thread (group, 8
-// channels): it loads its 16 keys' 8 channels as 16-byte rows and quantizes each channel's 16 values as
-// one block. The statistics are sums over a key's channels in order, across the tile's threads: each
+// §5.5 V̂ per channel and P group of 16 keys (slot order) as FP16 (§5.6), §5.7's vn, ev and the tile's
+// sums of vm ⊘ vg, evm ⊘ vg (and §5.8's ν under the output hot test, nu not null). One block of
+// V_THREADS threads per tile, thread (group, 8 channels): it loads its 16 keys' 8 channels as 16-byte
+// rows and quantizes each channel's 16 values as one block. The statistics are sums over a key's channels in order, across the tile's threads: each
 // thread stages its raw values and the image's in shared memory (rows padded by one word, so that the
 // key threads' row reads hit distinct banks), and thread j then sums slot j's key. Grid
 // (span.hi − span.lo, Hkv, B); dynamic shared memory V_SMEM bytes.
@@ -219,7 +251,8 @@ constexpr int V_SMEM = 2 * TILE * V_ROW * 2;
 template <bool PAGED>
 __device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restrict__ v, const float* __restrict__ scales,
                                        uint16_t* __restrict__ vhat, unsigned int* __restrict__ kvstat,
-                                       uint16_t* __restrict__ nu, const KvPages& pg, const Geom& g, const TileSpan& span,
+                                       unsigned long long* __restrict__ kvsum, uint16_t* __restrict__ nu,
+                                       const KvPages& pg, const Geom& g, const TileSpan& span,
                                        bool quant, bool lsq, bool interleaved, bool v_f16) {
     constexpr int NO = D / 8;  // channel octets
     const int b = blockIdx.z, hk = blockIdx.y, t = span.lo + blockIdx.x;
@@ -269,6 +302,7 @@ __device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restric
     }
     __syncthreads();
     float st[2] = {0.0f, 0.0f};
+    unsigned long long u[2] = {0ull, 0ull};
     for (int j = threadIdx.x; j < TILE; j += V_THREADS) {  // slot j's key: every channel in order
         const int key = t * TILE + slot_key(j, interleaved);
         float s3 = 0.0f, s4 = 0.0f;
@@ -279,12 +313,37 @@ __device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restric
             s4 = nrm_add(s4, fsub(vv, fmul(vh, vg)));
         }
         const bool counted = cert_key(g, key);
-        const float vn = counted ? nrm_end(s3) : 0.0f;
+        const float vn = counted ? nrm_end(s3) : 0.0f, ev = counted ? nrm_end(s4) : 0.0f;
         st[0] = fmaxf(st[0], vn);
-        st[1] = fmaxf(st[1], counted ? nrm_end(s4) : 0.0f);
-        if (nu != nullptr) nu[(bh * span.stride + span.slot(t)) * TILE + j] = counted ? h_bits(f16(fmul(vn, inv))) : 0;  // §5.8
+        st[1] = fmaxf(st[1], ev);
+        const uint16_t nu_s = h_bits(f16(fmul(vn, inv)));  // §5.8's ν, +0 for a key not counted
+        u[0] += f16_units(nu_s);
+        u[1] += norm_units(fmul(ev, inv));
+        if (nu != nullptr) nu[(bh * span.stride + span.slot(t)) * TILE + j] = nu_s;
     }
+    tile_sums(kvsum, g, bh, t, 2, u);
     kvstat_max(kvstat, bh, 3, st);
+}
+
+// §5.7's means of (b, hk) from the sums of the tiles prep formed, F₀ .. ntkv − 1 (a KV state's earlier
+// tiles keep theirs, §5.9): f32(f64(f64(sum) ⊘₆₄ f64(n)) ·₆₄ 2⁻²⁴) with n = S − lo₀, as prep_finalize's
+// K mean; vm and evm then ⊗ vg (exact: a power of two). grid (Hkv, B), block MEAN_THREADS.
+constexpr int MEAN_THREADS = 128;
+__device__ __forceinline__ void prep_means(const unsigned long long* __restrict__ kvsum,
+                                           const float* __restrict__ scales, unsigned int* __restrict__ kvstat,
+                                           const Geom& g) {
+    const int b = blockIdx.y, hk = blockIdx.x, i = threadIdx.x;
+    const size_t bh = (size_t)b * g.Hkv + hk;
+    unsigned long long u[KV_SUMS] = {0ull, 0ull, 0ull, 0ull};
+    for (int t = g.first_tile(0) + i; t < g.ntkv; t += MEAN_THREADS) {
+#pragma unroll
+        for (int j = 0; j < KV_SUMS; ++j) u[j] += kvsum[(bh * g.ntkv_buf + t) * KV_SUMS + j];
+    }
+    const unsigned long long total = block_sums(u);
+    if (i >= KV_SUMS) return;
+    const double q = __ddiv_rn(__ll2double_rn((long long)total), (double)max(g.S - g.lo(0), 1));
+    const float mean = __double2float_rn(__dmul_rn(q, 5.9604644775390625e-08));
+    kvstat[bh * KV_STATS + 5 + i] = __float_as_uint(i < 2 ? mean : fmul(mean, scales[bh * 2 + 1]));
 }
 
 // §5.3 Q̂'s values of one 16-channel block x (apa_emu/prep.py prep_q): q_mode 0 = NVFP4, q_terms 1 or

@@ -267,7 +267,9 @@ extern "C" __global__ void apa_probe_merge(const __grid_constant__ ProbeMergePar
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= p.count) return;
     const MergeWeights mw = merge_weights(p.m1[i], p.l1[i], p.m2[i], p.l2[i], p.fma != 0);
-    p.out[i] = merge_out2(mw, make_float2(p.part[2 * i], p.part[2 * i + 1]), p.o2[2 * i], p.o2[2 * i + 1], p.fma != 0);
+    const float2 y =
+        merge_y2(mw, make_float2(p.part[2 * i], p.part[2 * i + 1]), p.o2[2 * i], p.o2[2 * i + 1], p.fma != 0);
+    p.out[i] = f16x2(y.x, y.y);
 }
 
 APA_PARAMS_LAYOUT(ProbeMmaF32Params, APA_FIELD(ProbeMmaF32Params, A), APA_FIELD(ProbeMmaF32Params, B),

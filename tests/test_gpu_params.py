@@ -35,8 +35,10 @@ SIZES = INTS | dict(cu_q=None, cu_k=_Buf(0x9000))  # a null and a set pointer, e
 def _pass2_values(**over):
     ptrs = {f: _Buf(0x1000 * (i + 1)) for i, (f, t) in enumerate(PASS2_ARGS.fields) if t is PTR}
     cert = dict(sd=8.0, cs=2.0**-9, c2=2.0**-7, fast=0.0, delta=32.0)
+    est_k = dict(rho=2.0**-7, cs=2.0**-24, cp=2.0**-25, ca=2.0**-23, z=2.0)
     pages = dict(table=None, page_size=0, max_pages=0)
-    return dict(ptrs, pages=pages, qmul=np.float32(0.125), all_hot=True, fma=False, direct=False, cert=cert) | over
+    return dict(ptrs, pages=pages, qmul=np.float32(0.125), all_hot=True, fma=False, direct=False, cert=cert,
+                est_k=est_k) | over
 
 
 def test_pack_places_every_field_at_its_offset():
@@ -120,7 +122,7 @@ def test_layout_has_c_alignment_and_names():
 
 
 APA_KERNELS = {"apa_prep_stats": PREP, "apa_prep_finalize": PREP, "apa_prep_q": PREP, "apa_prep_k": PREP,
-               "apa_prep_v": PREP, "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2,
+               "apa_prep_v": PREP, "apa_prep_means": PREP, "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2,
                "apa_fused": FUSED}
 PROBE_KERNELS = {"apa_probe_mma_f32": probes.MMA_F32, "apa_probe_mma_f16": probes.MMA_F16,
                  "apa_probe_exp2": probes.EXP2, "apa_probe_codes": probes.CODES, "apa_probe_quant16": probes.QUANT16,
