@@ -119,7 +119,7 @@ template <int DIM>
 __device__ __forceinline__ float merge_estimate(const MergeWeights& mw, const EstRow& r, const EstConsts& k) {
     const float ln2 = f32_from_bits(0x3F317218u);
     const float a1 = fmul(r.eq, r.km), b1 = fmul(r.qn, r.ekm), cl = fmul(r.cq, ln2);  // step 1
-    const float s1 = fmul(fmul(fadd(fmul(a1, a1), fmul(b1, b1)), fmul(cl, cl)), 1.0f / (float)DIM);  // exact
+    const float s1 = fmul(fmul(fadd(fmul(a1, a1), fmul(b1, b1)), fmul(cl, cl)), 2.0f / (float)DIM);  // exact: a power of two
     const float x = fmul(r.vm, r.vm);  // step 2
     const float kappa = fadd(fmul(fadd(s1, k.rho), x), fmul(r.evm, r.evm));
     const float sc = r.l2 > 0.0f ? fabsf(fadd(r.m2, r.sh)) : 0.0f;  // step 3
