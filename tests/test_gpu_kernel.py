@@ -302,8 +302,10 @@ def test_synthetic_llama_32k():
         a, g = emu.out[i, h], gpu.out[i, h]
         assert a.tobytes() == g.tobytes(), f"warp {(b, hk, w)}: outputs differ"
         assert emu.err_bound[i, h].tobytes() == gpu.err_bound[i, h].tobytes(), f"warp {(b, hk, w)}: bounds differ"
+        assert emu.err_est[i, h].tobytes() == gpu.err_est[i, h].tobytes(), f"warp {(b, hk, w)}: estimates differ"
         assert np.array_equal(emu.hot[b, hk, w], gpu.hot[b, hk, w]), f"warp {(b, hk, w)}: hot masks differ"
-    emu.hot, emu.out, emu.err_bound = gpu.hot, gpu.out, gpu.err_bound  # compared above on the emulated warps only
+    # compared above on the emulated warps only
+    emu.hot, emu.out, emu.err_bound, emu.err_est = gpu.hot, gpu.out, gpu.err_bound, gpu.err_est
     div = first_divergence(emu, gpu)
     assert div is None, describe(div)
 
