@@ -74,8 +74,8 @@ def score_bounds(cq, qstat, kvstat, qmul, nt, nh, k: CertConsts):
 def certificate(m1, l1, ad1, m2, l2, out, lo, lim, nh, cq, qstat, kvstat, qmul, k: CertConsts,
                 soft: bool) -> np.ndarray:
     """§9.7 for arrays of rows: the bound of ‖out − O‖₂. out [R, d] is the FP16 output, lo and lim [R]
-    the rows' first and last keys (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat [9] = (kn, ek, k2n, vn, ev, …)
-    (kn, ek, k2n, vn, ev) (§5.7)."""
+    the rows' first and last keys (§6.1), nh the warp's hot tiles, qstat [R, 3] = (qn, eq, q2n) and kvstat the
+    head's §5.7 statistics (``prep.KV_STATS``; this reads kn, ek, k2n, vn, ev)."""
     X = lambda x: _expm1_up(x, soft)  # noqa: E731
     q2n, k2n, vn, ev = qstat[:, 2], F32(kvstat[2]), F32(kvstat[3]), F32(kvstat[4])
     lo, lim = np.asarray(lo, np.int64), np.asarray(lim, np.int64)
@@ -120,7 +120,7 @@ def ssq4(x) -> np.ndarray:
 def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool) -> np.ndarray:
     """§9.8 for arrays of rows: err_est, Z standard deviations of ‖out − O‖₂ under independent
     zero-mean rounding and quantization errors. y [R, d] is the binary32 output that out rounds; sh
-    [R] the rows' shifts (§5.3); qstat as ``certificate``'s, kvstat [9] (§5.7, KV_STATS)."""
+    [R] the rows' shifts (§5.3); qstat and kvstat as ``certificate``'s (this reads km, ekm, vm, evm)."""
     qn, eq = qstat[:, 0], qstat[:, 1]
     kn, ek, vn, ev = (F32(x) for x in kvstat[5:9])  # §5.7's means
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):

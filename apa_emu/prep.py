@@ -81,19 +81,22 @@ def unpack_rows(x: np.ndarray, n: int, G: int) -> np.ndarray:
     return x.reshape(Hkv, n, G, d).transpose(1, 0, 2, 3).reshape(n, Hkv * G, d)
 
 
+def exact_mean(x16: np.ndarray, axis: int) -> np.ndarray:
+    """§5.1's mean of FP16 values along ``axis``: the exact integer sum in units of 2^-24 (order-free),
+    then one binary64 division and one rounding."""
+    units = (x16.astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
+    total = units.sum(axis=axis)  # ok: int64, order-free
+    return (total.astype(np.float64) / np.float64(max(x16.shape[axis], 1)) * 2.0**-24).astype(F32)
+
+
 def kmean_exact(k16: np.ndarray) -> np.ndarray:
-    """§5.1: the exact integer sum in units of 2^-24, then one binary64 division and one rounding."""
-    units = (k16.astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
-    total = units.sum(axis=0)  # ok: int64, order-free
-    return (total.astype(np.float64) / np.float64(k16.shape[0]) * 2.0**-24).astype(F32)
+    """§5.1: the K mean per channel."""
+    return exact_mean(k16, 0)
 
 
 def norm_mean(norms: np.ndarray) -> np.ndarray:
-    """§5.7's means [Hkv] of per-key norms [Hkv, n]: f16 of each, summed exactly as integers in units of
-    2⁻²⁴ (order-free), then §5.1's one binary64 division and one rounding."""
-    units = (_f16(norms).astype(np.float64) * 2.0**24).astype(np.int64)  # exact: FP16 values are k·2^-24
-    total = units.sum(axis=1)  # ok: int64, order-free
-    return (total.astype(np.float64) / np.float64(max(norms.shape[1], 1)) * 2.0**-24).astype(F32)
+    """§5.7's means [Hkv] of per-key norms [Hkv, n]: f16 of each, then ``exact_mean``."""
+    return exact_mean(_f16(norms), 1)
 
 
 def head_scale(amax: np.ndarray) -> np.ndarray:
