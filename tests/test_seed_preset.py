@@ -219,7 +219,7 @@ def test_direct_store_by_hand():
     assert np.nextafter(F32(7 * (1 + 2.0**-11)), F32(8)) == o
     Kf = Config().pass1_consts().Kf
     st = P1State(np.zeros(16, F32), np.zeros(16, F32), np.full(16, F32(7)), np.zeros(16, F32),
-                 np.full((16, d), o), np.zeros(16, F32))
+                 np.full((16, d), o), np.zeros(16, F32), np.zeros(16, F32))
     exported = {}
     for direct in (True, False):
         out = P1Out.new(d, 1)
@@ -240,7 +240,7 @@ def test_direct_store_of_a_zero_cold_sum_is_ieee():
     emulator once raised ZeroDivisionError here (found by the preset's gpu property on the H200)."""
     Kf = Config().pass1_consts().Kf
     st = P1State(np.zeros(16, F32), np.zeros(16, F32), np.zeros(16, F32), np.zeros(16, F32),
-                 np.zeros((16, 2), F32), np.zeros(16, F32))
+                 np.zeros((16, 2), F32), np.zeros(16, F32), np.zeros(16, F32))
     st.o[:, 1] = -3
     out = P1Out.new(2, 1)
     p1_export(st, np.ones(16, bool), P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, True,
