@@ -159,10 +159,14 @@ class Scan:
         predict. Non-finite outputs come first, pairs with no estimate last."""
         if by == "cos":
             return np.where(self.finite, self.cos, -np.inf)
+        rel = self.predicted(by)
+        return np.where(self.finite, np.where(np.isnan(rel), np.inf, -rel), -np.inf)
+
+    def predicted(self, by: str) -> np.ndarray:
+        """err_est (``est``) or err_bound (``bound``) over ‖out‖ per pair: the relative error it predicts."""
         score = {"est": self.est, "bound": self.bound}[by].astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            rel = score / np.sqrt(self.sums.out_sq)
-        return np.where(self.finite, np.where(np.isnan(rel), np.inf, -rel), -np.inf)
+            return score / np.sqrt(self.sums.out_sq)
 
     def rank(self, by: str) -> np.ndarray:
         """Pair indices, worst first by ``rank_key``."""

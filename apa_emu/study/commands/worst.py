@@ -85,6 +85,4 @@ def run(args) -> None:
 def _predicted(scan: Scan, d: PairDiagnostics) -> dict:
     """The engine's own err_est and err_bound of a pair, over its |out| (the relative errors they predict)."""
     i = np.flatnonzero((scan.pairs.rows == d.row) & (scan.pairs.heads == d.head))[0]
-    norm = np.sqrt(np.float64(scan.sums.out_sq[i]))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return dict(err_est=float(scan.est[i] / norm), err_bound=float(scan.bound[i] / norm))
+    return {f"err_{by}": float(scan.predicted(by)[i]) for by in ("est", "bound")}
