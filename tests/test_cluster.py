@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -87,8 +88,35 @@ def test_a_study_on_the_cluster_is_the_single_process_one(capsys, dumps, single,
 def test_cluster_local_starts_its_own_workers(capsys, dumps, single):
     report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
     assert report == single["scan"]
-    assert timing["cluster"] == "local:2" and sorted(timing["workers"]) == ["cpu0", "cpu1"]
-    assert sum(t["units"] for t in timing["workers"].values()) == 4  # (dump, KV head): 2 + 2
+    assert timing["cluster"] == "local:2" and set(timing["workers"]) <= {"cpu0", "cpu1"}
+    assert timing["start_s"] > 0 and timing["warm_s"] > 0
+    # (dump, KV head): 2 + 2, each once, here while the workers started and warmed up, or on them
+    here = timing.get("this_process", {}).get("units", 0)
+    assert here + sum(t["units"] for t in timing["workers"].values()) == 4
+
+
+def test_this_process_runs_units_while_the_cluster_starts_and_the_workers_the_rest(capsys, dumps, single,
+                                                                                   monkeypatch):
+    up = cluster.Runner._up
+
+    def up_after_two_units_here(self):  # the cluster awaited after 2 units here: both parts surely run
+        if self.start is not None and self.timing.get(cluster.HERE, {}).get("units", 0) >= 2:
+            self.start.done.wait(120)
+        return up(self)
+
+    monkeypatch.setattr(cluster.Runner, "_up", up_after_two_units_here)
+    report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
+    assert report == single["scan"]
+    assert timing["this_process"]["units"] == 2 and sum(t["units"] for t in timing["workers"].values()) == 2
+
+
+def test_units_are_cut_into_tasks_of_one_dump_each():
+    units = [SimpleNamespace(dump=d) for d in (0, 0, 0, 0, 0, 1, 1, 2)]
+    # 1 worker: 3 dumps give its 2 tasks already; 2 workers: 4 tasks wanted, so each dump in 2 (or its units)
+    assert cluster._tasks(units, list(range(8)), workers=1) == [[0, 1, 2, 3, 4], [5, 6], [7]]
+    assert cluster._tasks(units, list(range(8)), workers=2) == [[0, 1, 2], [3, 4], [5], [6], [7]]
+    assert cluster._tasks(units, list(range(8)), workers=8) == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    assert cluster._tasks(units, [7, 2, 5, 3], workers=1) == [[7], [2, 3], [5]]
 
 
 class DieAfterFirstUnit(distributed.WorkerPlugin):
@@ -144,7 +172,10 @@ class Broken(CpuEngine):
         return super().run(call, config, progress=progress)
 
 
-def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, single, scheduler, monkeypatch):
+@pytest.mark.parametrize("per_worker", [cluster.TASKS_PER_WORKER, 0])  # 0: one task per dump, b's units together
+def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, single, scheduler, monkeypatch,
+                                                             per_worker):
+    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", per_worker)
     jobs = [scan.Job.of(read_dump(p)) for p in dumps]
     with cluster.cluster(cluster.Spec(address=scheduler), Broken()) as runner:
         scans = scan.scan_jobs(jobs, Config(), Broken())
@@ -168,6 +199,64 @@ def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, sing
     assert report["cluster"]["failed"] == runner.failed
     assert report["per_dump"][0] == single["scan"]["per_dump"][0]  # dump a whole, bitwise
     assert report["per_dump"][1]["pairs"] == 32 * 2
+
+
+class FailsOnce(CpuEngine):
+    """The emulator, failing on the first call of dump b's KV head 1 in any process (the first to claim
+    ``marker``)."""
+
+    name = "fails-once"
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+
+    def run(self, call, config, *, progress=None):
+        if np.array_equal(np.asarray(call.k)[0, :, 0], DUMPS["b"].k[:, 1]):
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                raise RuntimeError("planted failure, once")
+        return super().run(call, config, progress=progress)
+
+
+def test_a_unit_failing_once_in_a_task_of_several_is_run_again_alone(dumps, scheduler, monkeypatch, tmp_path):
+    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", 0)  # one task per dump: b's two units together
+    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
+    engine = FailsOnce(str(tmp_path / "failed"))
+    with cluster.cluster(cluster.Spec(address=scheduler), engine) as runner:
+        scans = scan.scan_jobs(jobs, Config(), engine)
+    assert (tmp_path / "failed").exists() and runner.failed == []
+    assert sum(t["units"] for t in runner.timing.values()) == 4
+    whole = scan.scan_jobs(jobs, Config(), CpuEngine())
+    assert [s.out.tobytes() for s in scans] == [w.out.tobytes() for w in whole]
+
+
+class BrokenHere(Broken):
+    """Broken, telling when this process has called it 4 times (a worker's class is its own)."""
+
+    calls, fourth = 0, threading.Event()
+
+    def run(self, call, config, *, progress=None):
+        BrokenHere.calls += 1
+        if BrokenHere.calls == 4:
+            BrokenHere.fourth.set()
+        return super().run(call, config, progress=progress)
+
+
+def test_a_unit_failing_in_this_process_is_run_again_on_the_cluster(dumps, monkeypatch):
+    """The cluster comes up only after this process has run all 4 units, the last of which raises: the
+    runner then waits for the cluster, where that unit raises again and is named."""
+    start = cluster._Start.run
+    monkeypatch.setattr(BrokenHere, "calls", 0)
+    monkeypatch.setattr(cluster._Start, "run", lambda self: BrokenHere.fourth.wait(120) and start(self))
+    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
+    with cluster.cluster(cluster.Spec(workers=2), BrokenHere()) as runner:
+        scan.scan_jobs(jobs, Config(), BrokenHere())
+    assert runner.timing[cluster.HERE]["units"] == 3 and not runner.timing.keys() - {cluster.HERE}
+    assert runner.failed == ["dump b.apadump, KV head 1, config default config: RuntimeError: planted failure"]
 
 
 def spawned(process) -> list:

@@ -6,17 +6,19 @@ a temporary folder) it runs ``apa COMMAND`` in this process, end to end, twice: 
 with ``--cluster SPEC`` (default ``local``: one worker per GPU, or 2 CPU workers on the CPU engine).
 It checks that the two JSON reports are equal field by field (exit 1 if not) and gives:
 
-* the overhead of the cluster path: its wall time (starting the cluster and its workers included,
-  and without them) against the single process's;
-* the per-unit times measured by the workers (a unit: one KV head of one dump, read and computed on
-  the worker), from the cluster run's ``--json``;
+* the overhead of the cluster path: its wall time (its cluster started in a thread and its workers
+  warmed up while this process runs the first units, then the rest on the workers) against the
+  single process's, and how many units this process ran meanwhile;
+* the per-unit times measured by the workers (a unit: one KV head of one dump, computed on the
+  worker; a task is a run of one dump's units, the dump read once), from the cluster run's ``--json``;
 * the scheduler's per-task cost, measured on a cluster of the same spec: the wall time of
   ``--tasks`` no-op tasks submitted and gathered one by one, as the runner does (per task, with every
   worker busy), and the round trip of one task at a time (median of 30);
 * the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: the cluster
-  start and a worker's first unit's extra (its warm-up, once, in parallel), then rounds of as many
-  units as there are workers, each round the slowest worker's time per later unit plus one round
-  trip, and the scheduler's per-task cost for every unit on top (it serialises).
+  start and the workers' warm-up (once, in parallel), then rounds of as many units as there are
+  workers at the slowest worker's time per later unit, a round trip per round of tasks (the runner's
+  TASKS_PER_WORKER per worker), and the scheduler's per-task cost for every task on top (it
+  serialises). Nothing is taken off for this process's units: on many GPUs it hides the start only.
 
     python tools/bench_cluster.py                                   # the issue's study: 10 dumps, 2048 x 32768
     python tools/bench_cluster.py --out bench.md                    # and the table written to a file
@@ -89,8 +91,9 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
 
 
 def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
-    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(units / workers) * (unit_max + cost["round_trip_s"])
-            + units * cost["per_task_s"])
+    tasks = min(units, cluster.TASKS_PER_WORKER * workers)  # as the runner cuts them (dumps of many units)
+    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(units / workers) * unit_max
+            + math.ceil(tasks / workers) * cost["round_trip_s"] + tasks * cost["per_task_s"])
 
 
 def main() -> None:
@@ -125,25 +128,30 @@ def main() -> None:
     chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
     cost = _scheduler_cost(spec, chosen, args.tasks)
     per_worker = timing["workers"]
+    here = timing.get("this_process", dict(units=0, seconds=0.0))
     units = sum(w["units"] for w in per_worker.values())
-    unit_mean = sum(w["seconds"] for w in per_worker.values()) / units
-    later = [(w["seconds"] - w["first_unit_s"]) / (w["units"] - 1) for w in per_worker.values() if w["units"] > 1]
+    # per-unit times from the workers; from this process if it ran every unit before they were warm
+    timed = [w for w in per_worker.values() if w["units"]] or [dict(here, first_unit_s=0.0)]
+    unit_mean = sum(w["seconds"] for w in timed) / sum(w["units"] for w in timed)
+    later = [(w["seconds"] - w["first_unit_s"]) / (w["units"] - 1) for w in timed if w["units"] > 1]
     unit_max = max(later) if later else unit_mean  # the slowest worker's mean after its first unit
-    warm_up = max(w["first_unit_s"] for w in per_worker.values()) - unit_max
     rows = {
         "single process, wall s": single_s,
         f"--cluster {args.cluster}, wall s (cluster start included)": cluster_s,
-        "cluster start (scheduler and workers up), s": cost["start_s"],
-        "overhead, start included": (cluster_s - single_s) / single_s,
-        "overhead, start left out": (cluster_s - cost["start_s"] - single_s) / single_s,
+        "overhead": (cluster_s - single_s) / single_s,
+        "the study's cluster: started, s (in a thread, this process running units meanwhile)": timing["start_s"],
+        "the study's cluster: its workers' warm-up (a tiny unit each), s": timing["warm_s"],
+        "units (dump, KV head) run in this process meanwhile": here["units"],
+        "their seconds": here["seconds"],
+        "units (dump, KV head) on the workers": units,
         "workers": cost["workers"],
-        "units (dump, KV head)": units,
+        "cluster start (scheduler and workers up, a cluster of its own), s": cost["start_s"],
         "per unit on a worker, mean s": unit_mean,
         "per unit after a worker's first, slowest worker's mean s": unit_max,
-        "a worker's first unit beyond that (loading Numba's cache or the kernel), s": warm_up,
         f"scheduler cost per task ({args.tasks} no-op tasks, workers busy), s": cost["per_task_s"],
         "one task's round trip (median of 30), s": cost["round_trip_s"],
-        **{f"projected, {name}, s": _project(units, unit_max, warm_up, cost, n) for name, n in PROJECTED.items()},
+        **{f"projected, {name}, s": _project(units + here["units"], unit_max, timing["warm_s"], cost, n)
+           for name, n in PROJECTED.items()},
     }
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"`{' '.join(['python tools/bench_cluster.py', *sys.argv[1:]])}`, {when}, {platform.node()} "

@@ -5,15 +5,25 @@ GPUs (``dask_cuda.LocalCUDACluster`` when it is installed, else a Nanny per GPU 
 ``CUDA_VISIBLE_DEVICES``), N workers otherwise (default: one per CPU). ``--cluster tcp://HOST:PORT``
 uses a running scheduler. ``--devices I,J`` is ``--cluster local`` with one worker on each listed GPU.
 
-Each unit of ``engine.run_units`` (one KV head of one dump, under every config of that call, so that
-the float64 reference is shared between configs as in one process) is one task, keyed
-``apa-unit-...``. A worker opens the dump itself from its path and sends back only the unit's
-per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the units' order
-whatever order they finish in, so the tables are bitwise those of one process (on the CPU engine,
-where the workers' BLAS runs as many threads as this process's: see WORKER_ENVIRON). A task whose worker
-dies is run again elsewhere by the scheduler; a task that raises is run once more; a unit that fails
-twice is None among the runs, so that its pairs leave the study and every other unit's stay, and
-``Runner.failed`` names it by dump, KV head and configs.
+A unit of ``engine.run_units`` is one KV head of one dump, under every config of that call (the
+float64 reference is shared between configs as in one process). A task is a run of units of one dump,
+keyed ``apa-unit-...``: a dump's units are cut into as many tasks as give each worker about two
+(TASKS_PER_WORKER), since a unit of the seed's sizes is tens of milliseconds on a GPU and a task's
+round trip about ten. A worker opens the dump itself from its path, once per task, and sends back
+only the units' per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the
+units' order whatever order they finish in, so the tables are bitwise those of one process (on the
+CPU engine, where the workers' BLAS runs as many threads as this process's: see WORKER_ENVIRON).
+
+Faults. A task whose worker dies is run again elsewhere by the scheduler, and a task that raises is
+run once more. A unit that raises inside a task is run again alone; a unit that fails twice is None
+among the runs, so that its pairs leave the study and every other unit's stay, and ``Runner.failed``
+names it by dump, KV head and configs.
+
+A local cluster starts in a thread, and its workers then warm up (a tiny unit each: imports, the CUDA
+context, the kernel's modules, Numba's cache), while this process runs the first units itself, as
+without a cluster; the rest go to the cluster once every worker is warm. Starting takes a second or
+more per study, longer than a study of a few dumps spends on its units; a running scheduler
+(``tcp://``) has none of it, and this process then runs no unit.
 
 Dask is imported only here and only when a cluster is asked for: it is the ``cluster`` extra.
 """
@@ -120,13 +130,17 @@ def local(spec: Spec, engine):
     """A local cluster for ``spec`` (no address) and ``engine``: one worker per GPU where it runs on
     GPUs, else CPU workers."""
     distributed = _dask()
-    import dask
-
     gpus = _gpu_names(spec, engine)
-    with _ctrl_c_ignored() as restore, dask.config.set({"distributed.nanny.pre-spawn-environ": WORKER_ENVIRON}), \
-            _start_local(distributed, spec, gpus) as local:
+    with _ctrl_c_ignored() as restore, _spawning(), _start_local(distributed, spec, gpus) as local:
         restore()
         yield local
+
+
+def _spawning():
+    """The environment of the workers a local cluster's nannies start, while they start."""
+    import dask
+
+    return dask.config.set({"distributed.nanny.pre-spawn-environ": WORKER_ENVIRON})
 
 
 @contextmanager
@@ -167,34 +181,89 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
         dashboard=False, dashboard_address=":0")}, **quiet)
 
 
-class Runner:
-    """The units of every ``run_units`` of a study on one Dask client; ``timing`` is each worker's
-    count of units, their seconds and its first unit's (which loads Numba's cache or the kernel), for
-    --json; ``failed`` a line for each unit that failed twice."""
+TASKS_PER_WORKER = 2  # tasks a study's units are cut into, per worker: few round trips, and balance
+HERE = "this process"  # the timing's name for the units this process ran while the cluster started
 
-    def __init__(self, client, spec: Spec):
-        self.client, self.spec, self.timing, self.failed = client, spec, {}, []
+
+class Runner:
+    """The units of every ``run_units`` of a study on one Dask client (or, while ``start`` brings a
+    local cluster up, in this process); ``timing`` is each worker's count of units, their seconds and
+    its first unit's, for --json; ``failed`` a line for each unit that failed twice."""
+
+    def __init__(self, spec: Spec, client=None, start: "_Start | None" = None):
+        self.spec, self.client, self.start, self.timing, self.failed = spec, client, start, {}, []
+
+    def _up(self) -> bool:
+        """Whether the cluster takes units: its workers warm (and SIGINT answered again), or still
+        starting, in which case this process runs the next unit itself."""
+        if self.start is not None and self.start.done.is_set():
+            self.client = self.start.up()
+        return self.client is not None
+
+    def _count(self, where: str, seconds: float) -> None:
+        mine = self.timing.setdefault(where, dict(units=0, seconds=0.0, first_unit_s=seconds))
+        mine["units"] += 1
+        mine["seconds"] += seconds
 
     def run_units(self, engine, dumps, units, configs, split, trace, progress):
         for i in sorted({u.dump for u in units}):
             if dumps[i].path is None:
                 raise ValueError("--cluster needs dumps on disk: its workers open them by path")
-        tag = uuid.uuid4().hex[:8]
-        futures = [self.client.submit(_unit_task, engine, str(dumps[u.dump].path), u, configs, split, trace,
-                                      key=f"{KEY}-{tag}-{i}", retries=1, pure=False) for i, u in enumerate(units)]
-        runs, failed = [None] * len(units), []
-        index = {f.key: i for i, f in enumerate(futures)}
+        runs, todo, retry, done = [None] * len(units), list(range(len(units))), [], 0
+        if not self._up():
+            with engine.context():
+                while todo and not self._up():
+                    i = todo.pop(0)
+                    t0 = time.perf_counter()
+                    try:
+                        runs[i] = run_unit(engine, dumps[units[i].dump], units[i], configs, split=split, trace=trace)
+                    except Exception:  # noqa: BLE001 (as a worker's: the unit is run again, alone, on the cluster)
+                        retry.append(i)
+                        continue
+                    self._count(HERE, time.perf_counter() - t0)
+                    done += 1
+                    if progress:
+                        progress(done, len(units))
+            engine.release()
+        if todo or retry:
+            if not self._up():  # this process ran every unit, and some raised: they are the cluster's
+                self.start.done.wait()
+                self._up()
+            runs = self._on_cluster(engine, dumps, units, configs, split, trace, progress, runs, todo, retry, done)
+        return runs
+
+    def _on_cluster(self, engine, dumps, units, configs, split, trace, progress, runs, todo, retry, done):
+        tag, futures, failed = uuid.uuid4().hex[:8], {}, []
+
+        def submit(group, retries):
+            u = units[group[0]]
+            future = self.client.submit(_task, engine, str(dumps[u.dump].path), [units[i] for i in group], configs,
+                                        split, trace, key=f"{KEY}-{tag}-{len(futures)}", retries=retries, pure=False)
+            futures[future] = group
+            return future
+
+        pending = _dask().as_completed(loop=self.client.loop, futures=[
+            *(submit(group, retries=1) for group in _tasks(units, todo, sum(self.client.nthreads().values()))),
+            *(submit([i], retries=0) for i in retry)])  # raised once in this process
         try:
-            for done, future in enumerate(_dask().as_completed(futures), 1):
-                i = index[future.key]
+            for future in pending:
+                group = futures[future]
                 if future.status != "finished":  # erred twice, or cancelled by a scheduler that lost its workers
                     why = future.exception() if future.status == "error" else "cancelled by the cluster"
-                    failed.append((i, _failure(dumps[units[i].dump], units[i], configs, why)))
+                    failed += [(i, _failure(dumps[units[i].dump], units[i], configs, why)) for i in group]
+                    done += len(group)
                 else:
-                    worker, seconds, runs[i] = future.result()
-                    mine = self.timing.setdefault(worker, dict(units=0, seconds=0.0, first_unit_s=seconds))
-                    mine["units"] += 1
-                    mine["seconds"] += seconds
+                    worker, results = future.result()
+                    for i, (seconds, run) in zip(group, results):
+                        if isinstance(run, list):
+                            runs[i] = run
+                            self._count(worker, seconds)
+                            done += 1
+                        elif len(group) > 1:  # raised once: run it again alone
+                            pending.add(submit([i], retries=0))
+                        else:
+                            failed.append((i, _failure(dumps[units[i].dump], units[i], configs, run)))
+                            done += 1
                 future.release()
                 if progress:
                     progress(done, len(units))
@@ -204,9 +273,26 @@ class Runner:
         return runs
 
     def report(self) -> dict:
+        here = self.timing.get(HERE)
         return dict(cluster=str(self.spec), workers={w: {k: round(v, 6) for k, v in t.items()}
-                                                      for w, t in sorted(self.timing.items())},
+                                                      for w, t in sorted(self.timing.items()) if w != HERE},
+                    **(dict(this_process={k: round(v, 6) for k, v in here.items()}) if here else {}),
+                    **(self.start.report() if self.start else {}),
                     **(dict(failed=self.failed) if self.failed else {}))
+
+
+def _tasks(units, todo: list[int], workers: int) -> list[list[int]]:
+    """``todo`` (indices of ``units``) cut into runs of units of one dump, in order: each dump's into
+    as many runs as give the cluster about TASKS_PER_WORKER tasks per worker, at least one."""
+    by_dump: dict[int, list[int]] = {}
+    for i in todo:
+        by_dump.setdefault(units[i].dump, []).append(i)
+    cuts = max(1, -(-TASKS_PER_WORKER * workers // len(by_dump))) if by_dump else 1
+    tasks = []
+    for group in by_dump.values():
+        size = -(-len(group) // min(cuts, len(group)))
+        tasks += [group[j:j + size] for j in range(0, len(group), size)]
+    return tasks
 
 
 SHOWN_CONFIGS = 3  # configs named in a failed unit's line (attribute runs some thirty per unit)
@@ -219,34 +305,98 @@ def _failure(dump, unit, configs, why) -> str:
     return f"dump {dump.path.name}, KV head {unit.hk}, config{'s' * (len(configs) > 1)} {names}{more}: {what}"
 
 
-def _unit_task(engine, path, unit, configs, split, trace):
-    """One unit on a worker: its dump opened there (checked once already, by the command)."""
+def _task(engine, path, units, configs, split, trace):
+    """Units of one dump on a worker, the dump opened there once (checked already, by the command):
+    each unit's seconds and runs, or, for a unit that raised, the error as its line names it (an
+    exception of a user's engine need not unpickle here)."""
     from distributed import get_worker
 
-    t0 = time.perf_counter()
     dump = read_dump(path, check_finite=False)
+    results = []
     with engine.context():
-        runs = run_unit(engine, dump, unit, configs, split=split, trace=trace)
+        for unit in units:
+            t0 = time.perf_counter()
+            try:
+                run = run_unit(engine, dump, unit, configs, split=split, trace=trace)
+            except Exception as e:  # noqa: BLE001 (named, or run again, by the runner)
+                run = f"{type(e).__name__}: {e}"
+            results.append((time.perf_counter() - t0, run))
     engine.release()
-    return get_worker().name, time.perf_counter() - t0, runs
+    return get_worker().name, results
+
+
+def _warm(engine, hd: int, config) -> None:
+    """A tiny unit on a worker, so that its first real one pays for no import, context or module."""
+    from .scan import Job
+    from .synth import synthetic
+
+    dump = synthetic(16, 256, 1, 1, hd, seed=0)
+    with engine.context():
+        run_unit(engine, dump, Job.of(dump).units(0)[0], [config], split=False, trace=False)
+    engine.release()
+
+
+class _Start(threading.Thread):
+    """A local cluster brought up, a client on it and every worker warmed up (``_warm``), off the
+    main thread, which meanwhile runs units; ``up()`` gives the client, or raises what went wrong."""
+
+    def __init__(self, spec: Spec, engine, gpus: list[str], warm, restore):
+        super().__init__(name="apa-cluster-start", daemon=True)
+        self.spec, self.engine, self.gpus, self.warm, self.restore = spec, engine, gpus, warm, restore
+        self.done, self.stack, self.client, self.error, self.seconds = threading.Event(), ExitStack(), None, None, {}
+
+    def run(self):
+        t0 = time.perf_counter()
+        try:
+            # closed by the main thread: callbacks, as a client's context (a ContextVar's) is this thread's
+            with _spawning():
+                local = _start_local(_dask(), self.spec, self.gpus)
+            self.stack.callback(local.close)
+            self.client = _dask().Client(local, set_as_default=False)
+            self.stack.callback(self.client.close)
+            self.seconds["start_s"] = time.perf_counter() - t0
+            if self.warm is not None:
+                self.client.run(_warm, self.engine, *self.warm)
+            self.seconds["warm_s"] = time.perf_counter() - t0 - self.seconds["start_s"]
+        except BaseException as e:  # noqa: BLE001 (raised in the main thread, by up())
+            self.error = e
+        finally:
+            self.done.set()
+
+    def up(self):
+        """In the main thread, once ``done``: SIGINT answered again (the workers spawned ignoring it)."""
+        self.restore()
+        if self.error is not None:
+            raise self.error
+        return self.client
+
+    def report(self) -> dict:
+        return {k: round(v, 6) for k, v in self.seconds.items()}
 
 
 @contextmanager
-def cluster(spec: Spec, engine):
+def cluster(spec: Spec, engine, warm=None):
     """A Runner on the cluster ``spec`` names, through which every ``run_units`` inside the block
-    runs; the client, and a local cluster with its workers, are closed on the way out, Ctrl-C too."""
+    runs; the client, and a local cluster with its workers, are closed on the way out, Ctrl-C too.
+    ``warm``: (head dim, config) of a tiny unit each local worker runs before it takes units."""
     distributed = _dask()
-    with ExitStack() as stack:
-        if spec.address:
-            try:
-                client = distributed.Client(spec.address, timeout=CONNECT_TIMEOUT_S)
-            except OSError:  # distributed's connect timeout is an OSError too
-                raise ValueError(f"--cluster {spec.address}: no scheduler answered within {CONNECT_TIMEOUT_S} s") \
-                    from None
-        else:
-            local_cluster = stack.enter_context(local(spec, engine))
-            client = distributed.Client(local_cluster)
-        stack.enter_context(client)
-        runner = Runner(client, spec)
-        with units_on(runner):
+    if spec.address:
+        try:
+            client = distributed.Client(spec.address, timeout=CONNECT_TIMEOUT_S)
+        except OSError:  # distributed's connect timeout is an OSError too
+            raise ValueError(f"--cluster {spec.address}: no scheduler answered within {CONNECT_TIMEOUT_S} s") \
+                from None
+        with client, units_on(Runner(spec, client=client)) as runner:
             yield runner
+        return
+    gpus = _gpu_names(spec, engine)
+    with _ctrl_c_ignored() as restore, ExitStack() as stack:
+        start = _Start(spec, engine, gpus, warm, restore)
+        stack.push(start.stack)
+        start.start()
+        try:
+            with units_on(Runner(spec, start=start)) as runner:
+                yield runner
+        finally:
+            start.join()
+

@@ -372,7 +372,7 @@ def run_study(args, compute, *, pooled: bool = False):
     with progress(not args.json, label, chosen.wait) as prog:
         if spec is None:
             return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
-        with cluster.cluster(spec, chosen) as runner:
+        with cluster.cluster(spec, chosen, warm=(jobs[0].dump.hd, cfg)) as runner:
             result = compute(jobs, cfg, chosen, progress=prog)
     args.timing, args.failed = runner.report(), runner.failed
     return jobs, cfg, chosen, result
