@@ -148,7 +148,8 @@ def _ctrl_c_ignored():
     """SIGINT ignored until ``restore()`` or the block's end, in the main thread (where handlers live).
     Ctrl-C at a terminal reaches the whole process group, and is this process's to answer, by closing
     the cluster: the workers spawned meanwhile inherit the ignored SIGINT and never see it (their own
-    KeyboardInterrupt would print a traceback each). A Ctrl-C while the cluster starts is lost."""
+    KeyboardInterrupt would print a traceback each). A Ctrl-C while the cluster starts (and, from
+    ``cluster``, while its workers warm up and this process runs units) is lost."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
