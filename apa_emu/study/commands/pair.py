@@ -32,7 +32,8 @@ _TRACE_COLUMNS = """pass-1 trace columns (docs/numerics.md §7 and §10), this r
   t2      the cold tile's Σ P̂² (§7.6), in units of 2^(2m); 0 on a hot tile
   ws      running Σ P̂² of the cold tiles so far, what err_est weighs the cold keys by (§9.8)
 """
-_BUDGET_COLUMNS = """error-budget columns (docs/numerics.md §9.8), one row per visit in visit order:
+_BUDGET_COLUMNS = """
+error-budget columns (docs/numerics.md §9.8), one row per visit in visit order:
   mass        the tile's share of the row's float64 softmax mass
   cold_share  the tile's share of the row's cold Σ P̂² ws1: its t2 rescaled to the final frame m1, over ws1
               (0 on a hot tile); err_est's cold variance Vc is ws1 times a per-row factor, so this is
@@ -147,8 +148,9 @@ def estimate_split(dump, cfg: Config, row: int, head: int, rec, nh: int) -> Esti
     state = (np.asarray(rec[f], np.float32)[None] for f in ("m1", "l1", "ws1", "m2", "l2", "p2", "o2"))
     vc, vh, dn = estimate_variances(*state, nh, prep.cq[0, r:r + 1], prep.qstat[0, r:r + 1], prep.kvstat[0],
                                     prep.sh[0, r:r + 1], k, cfg.exp2 == "soft")
-    den = float(dn[0]) ** 2
-    return EstimateSplit(err_est=float(rec["err_est"]), z=float(k.z), cold=float(vc[0]) / den, hot=float(vh[0]) / den)
+    den = float(dn[0]) ** 2  # 0 only for a row that holds no mass (§9.1), whose err_est says nothing
+    return EstimateSplit(err_est=float(rec["err_est"]), z=float(k.z), cold=float(vc[0]) / den if den else np.nan,
+                         hot=float(vh[0]) / den if den else np.nan)
 
 
 def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -> PairReport:
@@ -160,15 +162,14 @@ def pair(dump, cfg: Config, row: int, head: int, *, backend="auto", workers=1) -
     diag = pair_diagnostics(dump, scan, 0, traced)
     p, mass, contrib = tile_breakdown(dump, row, head, cfg.softmax_scale(dump.hd))
     hot = pair_hot(dump, traced, row, head)
-    lane = (row * dump.group + head % dump.group) % ROWS
     hot_norm, cold_norm, _ = (float(x[0]) for x in scan.split)
     hk, packed = head // dump.group, row * dump.group + head % dump.group
+    warp, lane = divmod(packed, ROWS)
     rec = traced.rows[(traced.rows["hk"] == hk) & (traced.rows["row"] == packed)][0]
-    warp = traced.hot[0, hk, packed // ROWS]
-    nh = int(np.unpackbits(warp.view(np.uint8)).sum())
+    nh = int(np.unpackbits(traced.hot[0, hk, warp].view(np.uint8)).sum())  # §9.8's nh: the warp's hot tiles
     visits = [Visit(visit=int(r["visit"]), tile=int(r["tile"]), hot=bool(r["hot"]),
                     **{f: float(r[f][lane]) for f in VISIT_FIELDS[2:]})
-              for r in traced.visits if r["hk"] == hk and r["warp"] == packed // ROWS]
+              for r in traced.visits if r["hk"] == hk and r["warp"] == warp]
     return PairReport(
         diag=diag,
         top_tile=int(np.argmax(mass)), top_tile_mass=float(mass.max()),
