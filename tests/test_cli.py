@@ -71,6 +71,11 @@ def test_worst_pair_sweep(capsys, small_dump, tmp_path):
     assert png.stat().st_size > 1000 and pair["visits"][0]["tile"] == 0
     mass = np.array(pair["tile_mass"])
     assert mass.sum() == pytest.approx(1.0)
+    budget, est = pair["budget"], pair["estimate"]
+    assert [b["visit"] for b in budget] == [v["visit"] for v in pair["visits"]]
+    assert budget[-1]["cumulative"] == pytest.approx(1.0 if pair["ws1"] > 0 else 0.0, abs=2.0**-16)
+    parts = est["cold_var"] + est["hot_var"] + est["rounding_var"]
+    assert parts == pytest.approx((est["err_est"] / est["z"]) ** 2, rel=1e-5)  # F2 is the rest, up to binary32
     sweep = run_json(capsys, "sweep", path, "--eps", "-1", "0.01", "1e9", "--plot", str(tmp_path / "s.png"))["sweep"]
     assert sweep[0]["hot_share"] == 1.0 and sweep[-1]["hot_share"] == 0.0
 
