@@ -117,10 +117,9 @@ def ssq4(x) -> np.ndarray:
     return (s[0] + s[1]) + (s[2] + s[3])
 
 
-def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool) -> np.ndarray:
-    """§9.8 for arrays of rows: err_est, Z standard deviations of ‖out − O‖₂ under independent
-    zero-mean rounding and quantization errors. y [R, d] is the binary32 output that out rounds; sh
-    [R] the rows' shifts (§5.3); qstat and kvstat as ``certificate``'s (this reads km, ekm, vm, evm)."""
+def estimate_variances(m1, l1, ws1, m2, l2, p2, o2, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool):
+    """§9.8 steps 1–5 (less F2) for arrays of rows: the cold and hot keys' variances Vc and Vh and the
+    denominator Dn, apart so that ``apa pair`` can say which part of err_est each side holds."""
     qn, eq = qstat[:, 0], qstat[:, 1]
     kn, ek, vn, ev = (F32(x) for x in kvstat[5:9])  # §5.7's means
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -133,8 +132,17 @@ def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: 
         ls = LN2 * sc
         kappa2 = ((ls * ls) * k.cs + k.cp) * x
         q2 = ssq4(o2)  # step 4
-        f2 = ssq4(out.astype(F32) - y)
         vc = (w1 * w1) * (ws1 * kappa)  # step 5
         vh = (w2 * w2) * (p2 * kappa2 + (F32(nh) * k.ca) * q2)
+        return vc, vh, dn
+
+
+def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool) -> np.ndarray:
+    """§9.8 for arrays of rows: err_est, Z standard deviations of ‖out − O‖₂ under independent
+    zero-mean rounding and quantization errors. y [R, d] is the binary32 output that out rounds; sh
+    [R] the rows' shifts (§5.3); qstat and kvstat as ``certificate``'s (this reads km, ekm, vm, evm)."""
+    vc, vh, dn = estimate_variances(m1, l1, ws1, m2, l2, p2, o2, nh, cq, qstat, kvstat, sh, k, soft)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        f2 = ssq4(out.astype(F32) - y)  # step 4
         est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)  # step 6
         return np.where(np.isfinite(out).all(axis=1), est, F32(np.inf)).astype(F32)  # step 7

@@ -277,11 +277,12 @@ def p1_self_sums(model, phat, runs, t2):
 
 
 @njit(cache=True)
-def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
+def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2):
     """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone (tv to lv) and
     sets its hot bit; a cold tile moves it to c, adds its sum to la and lc (tv to lv), its groups'
-    a_g to ad, its Σ P̂² to ws (§9.8) and its P̂·V̂ to o."""
+    a_g to ad, its Σ P̂² t2 to ws (§9.8) and its P̂·V̂ to o. t2 is left +0 on a hot tile (§10)."""
     if hot:
+        t2[:] = 0
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
             f[r] = max(st.m[r], c[r] - k.delta) if rows.runs[r] else st.m[r]
@@ -294,7 +295,6 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
                     st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
-        t2 = np.empty(ROWS, F32)
         p1_self_sums(mode.model, phat, rows.runs, t2)
         p1_update(c, rows.runs, st, mode.soft)
         for r in range(ROWS):
@@ -311,7 +311,7 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
 
 
 @njit(cache=True)
-def p1_record(trace, visit, t, hot, c, st, tl2, valid):
+def p1_record(trace, visit, t, hot, c, st, tl2, t2, valid):
     """§10: one visit record (valid rows; padding rows keep +0)."""
     trace.tile[visit] = t
     trace.hot[visit] = 1 if hot else 0
@@ -324,6 +324,8 @@ def p1_record(trace, visit, t, hot, c, st, tl2, valid):
             trace.lc[visit, r] = st.lc[r]
             trace.tv[visit, r] = tl2[r, 1]
             trace.lv[visit, r] = st.lv[r]
+            trace.t2[visit, r] = t2[r]
+            trace.ws[visit, r] = st.ws[r]
 
 
 @njit(cache=True, error_model="numpy")  # vg ⊘ lc is IEEE: +inf for lc = 0 (every cold P̂ zero), as in the kernel
@@ -354,6 +356,7 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
     pscales = np.zeros((ROWS, GROUPS), np.uint8)
     amass = np.zeros((ROWS, GROUPS), F32)
     tl2 = np.zeros((ROWS, 2), F32)  # tl, tv
+    t2 = np.zeros(ROWS, F32)
     gm = np.zeros((ROWS, GROUPS), F32)
     c = np.zeros(ROWS, F32)
     for visit in range(order.shape[0]):
@@ -363,7 +366,7 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
         p1_row_sums(mode.model, phat, pcodes, pscales, ops.nu_t[t if mode.output else 0], mode.output, tl2)
         hot = p1_hot_test(tl2, rows.runs, st, c, k.eps, mode.soft, mode.output, mode.fma)
-        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
+        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words, t2)
         if traced:
-            p1_record(trace, visit, t, hot, c, st, tl2, rows.valid)
+            p1_record(trace, visit, t, hot, c, st, tl2, t2, rows.valid)
     p1_export(st, rows.valid, mode, k.Kf, out)

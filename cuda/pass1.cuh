@@ -47,10 +47,10 @@ struct Pass1Args {
 };
 
 // VISIT_DTYPE byte layout (apa_emu/trace.py): b, hk, warp, visit, tile (i4), hot (u1), pad[3],
-// then c, m, tl, la, lc, tv, lv as 16 binary32 each.
-constexpr int VISIT_BYTES = 24 + 7 * 16 * 4;
+// then c, m, tl, la, lc, tv, lv, t2, ws as 16 binary32 each.
+constexpr int VISIT_BYTES = 24 + 9 * 16 * 4;
 constexpr int VISIT_C = 24, VISIT_M = 88, VISIT_TL = 152, VISIT_LA = 216, VISIT_LC = 280, VISIT_TV = 344,
-              VISIT_LV = 408;
+              VISIT_LV = 408, VISIT_T2 = 472, VISIT_WS = 536;
 
 // Shared memory: the tile ring (pipeline.cuh; a stage holds the K̂ then the V̂ᵀ image of one tile),
 // then Q̂ as one image of 64 rows per warpgroup (mma.cuh sw128_half). The MMAs are wgmma (mma.cuh):
@@ -165,11 +165,11 @@ struct P1Warp {
     int b, hk;
 };
 
-// One visit's values of the lane's rows besides the state (apa_emu/pass1.py's c, tl2 and amass):
+// One visit's values of the lane's rows besides the state (apa_emu/pass1.py's c, tl2, t2 and amass):
 // the candidate frame c and the frame vote moved (§7.2), lane t0's group's a_g (§7.8), the row sums
-// tl, tv (§7.6) and a = exp2(m ⊖ c) (§7.7).
+// tl, tv and, on a cold tile, t2 (§7.6; +0 on a hot one, as §10 traces it) and a = exp2(m ⊖ c) (§7.7).
 struct P1Visit {
-    float c[2], mass[2], tl[2], tv[2], a[2];
+    float c[2], mass[2], tl[2], tv[2], t2[2], a[2];
     bool moved;
 };
 
@@ -492,21 +492,22 @@ __device__ __forceinline__ void p1_zero(T (&x)[N][4]) {
 }
 
 // §7.8 (apa_emu/pass1.py p1_branch): a hot tile sets its bit in the warp's mask and zeroes P̂, so the
-// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂.
+// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂. v.t2 leaves as the tile's Σ P̂² on a cold tile,
+// +0 on a hot one (§10's trace; outside trace builds nothing reads it there).
 template <int NDN>
 __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, bool hot, int t,
-                                          const P1Visit& v, P1State<NDN>& st, uint32_t (&pa)[4][4]) {
+                                          P1Visit& v, P1State<NDN>& st, uint32_t (&pa)[4][4]) {
     if (hot) {
+        v.t2[0] = v.t2[1] = 0.0f;
         p1_hot_branch(v.c[0], v.tl[0], v.tv[0], a.delta, v.moved, st, 0, a.fma);
         p1_hot_branch(v.c[1], v.tl[1], v.tv[1], a.delta, v.moved, st, 1, a.fma);
         if (wr.lane == 0) atomicOr(w.hot_w + (t >> 5), 1u << (t & 31));
         p1_zero(pa);
     } else {
         const float mass_lo = p1_group_mass(v.mass[0]), mass_hi = p1_group_mass(v.mass[1]);
-        float t2[2];
-        p1_self_sums(pa, t2);
-        p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, t2[0], v.moved, st, 0);
-        p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, t2[1], v.moved, st, 1);
+        p1_self_sums(pa, v.t2);
+        p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, v.t2[0], v.moved, st, 0);
+        p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, v.t2[1], v.moved, st, 1);
     }
 }
 
@@ -538,6 +539,8 @@ __device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr
         const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
         p1_trace_rows(rec, VISIT_TV, wr.g, v.tv[0], v.tv[1], wr.v_lo && out, wr.v_hi && out);
         p1_trace_rows(rec, VISIT_LV, wr.g, st.r[0].lv, st.r[1].lv, wr.v_lo && out, wr.v_hi && out);
+        p1_trace_rows(rec, VISIT_T2, wr.g, v.t2[0], v.t2[1], wr.v_lo, wr.v_hi);
+        p1_trace_rows(rec, VISIT_WS, wr.g, st.r[0].ws, st.r[1].ws, wr.v_lo, wr.v_hi);
     }
 #endif
 }

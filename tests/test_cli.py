@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from apa_emu import Config
+from apa_emu.config import CHOICES
 from apa_emu.study.cli import main
 from apa_emu.study.dump import write_dump
 from apa_emu.study.commands.attribute import ATTRIBUTE_VARIANTS, attribute
@@ -70,8 +71,30 @@ def test_worst_pair_sweep(capsys, small_dump, tmp_path):
     assert png.stat().st_size > 1000 and pair["visits"][0]["tile"] == 0
     mass = np.array(pair["tile_mass"])
     assert mass.sum() == pytest.approx(1.0)
+    budget, est = pair["budget"], pair["estimate"]
+    assert [b["visit"] for b in budget] == [v["visit"] for v in pair["visits"]]
+    assert budget[-1]["cumulative"] == pytest.approx(1.0 if pair["ws1"] > 0 else 0.0, abs=2.0**-16)
+    parts = est["cold_var"] + est["hot_var"] + est["rounding_var"]
+    assert parts == pytest.approx((est["err_est"] / est["z"]) ** 2, rel=1e-5)  # F2 is the rest, up to binary32
     sweep = run_json(capsys, "sweep", path, "--eps", "-1", "0.01", "1e9", "--plot", str(tmp_path / "s.png"))["sweep"]
     assert sweep[0]["hot_share"] == 1.0 and sweep[-1]["hot_share"] == 0.0
+
+
+def test_sweep_several_hot_tests(capsys, small_dump, tmp_path):
+    """--hot-tests runs the ε grid under each hot test Config allows, tests outer, each run the same as a
+    sweep under --config hot_test=that test, and draws them in one figure."""
+    _, path = small_dump
+    tests = CHOICES["hot_test"]
+    argv = ["sweep", path, "--eps", "0.05", "0.5", "--rows", "24:32", "--backend", "cpu"]
+    png = tmp_path / "s.png"
+    both = run_json(capsys, *argv, "--hot-tests", *tests, "--plot", str(png))["sweep"]
+    assert [r["hot_test"] for r in both] == [t for t in tests for _ in range(2)]
+    for t in tests:
+        assert run_json(capsys, *argv, "--config", f"hot_test={t}")["sweep"] == [r for r in both if r["hot_test"] == t]
+    assert png.stat().st_size > 1000
+    assert main([*argv, "--hot-tests", *tests]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if "hot_share" in line)
+    assert re.search(r"eps\s+┃\s+hot_test\s+┃\s+hot_share", header)
 
 
 def test_no_plot_unless_asked(capsys, small_dump, tmp_path, monkeypatch):

@@ -149,3 +149,45 @@ def test_estimate_not_computed_rows_and_nonfinite():
     bad = ~np.isfinite(hot.out.astype(np.float32)).all(axis=-1)
     assert bad.any()
     assert np.all(np.isinf(hot.err_est[bad]))
+
+
+def test_pair_cold_shares_are_the_cold_tiles_square_sums(monkeypatch):
+    """``apa pair``'s per-tile budget: each cold visit's term of ws1 (the trace's t2 rescaled to the final
+    frame, §7.9–7.10) against a float64 Σ P̂² of the emulator's own P̂ of that tile in the same frames, and
+    the terms summed against the row's ws1, on a row with both hot and cold tiles.
+
+    Tolerances: a tile's t2 is the `sm90` chain of §7.6, 4 k-steps each within 2⁻²⁰ of its largest
+    partial sum (§9.7, why 1), all terms non-negative: 2⁻¹⁸ of the float64 sum. ws1 adds per visit one
+    binary32 add (2⁻²⁴), at a frame move (ws ⊗ α) ⊗ α with α = exp2s within one ulp (§2.1): 3·2⁻²³, and
+    ⊗ Kf twice at export: under 2⁻¹⁸ + (visits + 1)·2⁻²¹ of the float64 sum of the terms."""
+    from apa_emu import api, attention, pass1
+    from apa_emu.study.commands.pair import pair
+    from apa_emu.study.synth import synthetic
+
+    dump = synthetic(16, 1024, 2, 1, 64, seed=4)
+    cfg, row, head = Config(eps=0.1), 5, 1
+    report = pair(dump, cfg, row, head, backend="cpu")
+    hot = [b.hot for b in report.budget]
+    assert any(hot) and not all(hot), hot
+
+    # The emulator's P̂ and frame after each visit of the pair's warp, from pass 1 run in Python with its
+    # jitted steps, p1_branch wrapped to record them.
+    lane, branch, seen = (row * dump.group + head % dump.group) % ROWS, pass1.p1_branch, []
+
+    def record(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2):
+        branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2)
+        seen.append((hot, phat[lane].astype(np.float64), float(st.m[lane])))
+
+    monkeypatch.setattr(pass1, "p1_branch", record)
+    monkeypatch.setattr(api, "pass1_warp", pass1.pass1_warp.py_func)
+    G = dump.group
+    attention(dump.q, dump.k, dump.v, dump.q_offset, cfg, warps=[(0, head // G, (row * G + head % G) // ROWS)])
+    assert [h for h, _, _ in seen] == hot
+    kf, m1 = float(cfg.pass1_consts().Kf), seen[-1][2]
+    want = np.array([0.0 if h else (p * p).sum() * 4.0 ** (m - m1) * kf * kf for h, p, m in seen])
+    got = np.array([b.cold for b in report.budget])
+    np.testing.assert_allclose(got, want, rtol=2.0**-18, atol=0)
+    tol = 2.0**-18 + (len(seen) + 1) * 2.0**-21
+    assert abs(report.ws1 - want.sum()) <= tol * want.sum()
+    assert abs(report.budget[-1].cumulative - 1) <= tol
+    assert any(m != m1 for h, _, m in seen if not h)  # a cold tile before a frame move: its t2 is rescaled

@@ -199,10 +199,10 @@ MUTANTS = [
     Mutant("M36", "§7.9 ws rescaled by α once, not α²", "apa_emu/pass1.py",
            "st.ws[r] = (st.ws[r] * alpha) * alpha", "st.ws[r] = st.ws[r] * alpha", ("tests/test_err_est.py",) + SIM),
     Mutant("M37", "§7.8 ws also sums the hot tiles' P̂²", "apa_emu/pass1.py",
-           "    else:\n        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
-           "        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n"
+           "    else:\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
+           "        p1_self_sums(mode.model, phat, rows.runs, t2)\n"
            "        for r in range(ROWS):\n            st.ws[r] = st.ws[r] + t2[r]\n    else:\n"
-           "        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
+           "        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
            ("tests/test_err_est.py",)),
     Mutant("M38", "§8.2 p2s not rescaled at a frame move", "apa_emu/pass2.py",
            "        p2s[r] = (p2s[r] * a) * a\n", "", ("tests/test_err_est.py",)),

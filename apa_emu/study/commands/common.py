@@ -285,9 +285,10 @@ def config(args) -> Config:
     return cfg.replace(eps=value) if isinstance(value, float) else cfg  # sweep's --eps is a list, applied per run
 
 
-def engine(args, cfg: Config, dims):
-    """The engine of the command, chosen once; a fallback of --backend auto is said in one line."""
-    chosen = select_engine(args.backend, [cfg], dims, workers=args.workers,
+def engine(args, cfg: Config, dims, variants=()):
+    """The engine of the command, chosen once for ``cfg`` and the ``variants`` it also runs; a fallback
+    of --backend auto is said in one line."""
+    chosen = select_engine(args.backend, [cfg, *variants], dims, workers=args.workers,
                            devices=getattr(args, "devices", None) or ())
     if chosen.note:
         print(f"apa: note: {chosen.note}", file=sys.stderr)
@@ -355,19 +356,20 @@ def _cluster_spec(args) -> cluster.Spec | None:
     return spec
 
 
-def run_study(args, compute, *, pooled: bool = False):
+def run_study(args, compute, *, pooled: bool = False, variants=None):
     """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
     progress bar, its units in this process or on the cluster of --cluster (its per-worker timing
     then in ``args.timing``, for ``payload``, and the units that failed twice, whose pairs the
     tables leave out, in ``args.failed``). ``pooled``: the command pools the pairs of all dumps,
-    which needs one head dim."""
+    which needs one head dim. ``variants(cfg)``: the configs the command runs besides cfg, which the
+    engine must implement too."""
     check_outputs(args, dump_paths(args))
     spec = _cluster_spec(args)
     jobs = _jobs(args)
     if pooled:
         _one_head_dim(jobs, args.command)
     cfg = config(args)
-    chosen = engine(args, cfg, [job.dump.hd for job in jobs])
+    chosen = engine(args, cfg, [job.dump.hd for job in jobs], variants(cfg) if variants else ())
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
     with progress(not args.json, label, chosen.wait) as prog:
         if spec is None:
