@@ -13,6 +13,7 @@ import signal
 import sys
 
 from .commands import attribute, check, chunked, gemma3, headroom, pair, scan, smollm2, sweep, synth, worst
+from . import cluster
 from .commands.common import CTRL_C
 from .report import OutputError, flush
 
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
         print(f"apa: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     finally:
+        cluster.closed()  # a local cluster closes while the tables are written; its workers end here
         signal.signal(signal.SIGINT, previous)
     return status
 

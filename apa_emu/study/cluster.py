@@ -31,6 +31,7 @@ Dask is imported only here and only when a cluster is asked for: it is the ``clu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import threading
@@ -39,7 +40,7 @@ import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from .dump import read_dump
+from .dump import Dump, read_dump
 from .engine import run_unit, units_on
 from .report import cfg_name
 
@@ -90,8 +91,11 @@ def _dask():
     try:
         import distributed
     except ImportError:
-        raise ImportError(f"--cluster runs the study on Dask, which is not installed: {INSTALL}") from None
+        raise ImportError(_MISSING) from None
     return distributed
+
+
+_MISSING = f"--cluster runs the study on Dask, which is not installed: {INSTALL}"
 
 
 def _visible_gpus(engine) -> list[str]:
@@ -326,14 +330,15 @@ def _task(engine, path, units, configs, split, trace):
     return get_worker().name, results
 
 
-def _warm(engine, hd: int, config) -> None:
-    """A tiny unit on a worker, so that its first real one pays for no import, context or module."""
+def _warm(engine, path: str, config) -> None:
+    """The first query row of the dump at ``path`` (its keys whole) on a worker, so that its first
+    real unit pays for no import, context, kernel module, library handle or memory pool."""
     from .scan import Job
-    from .synth import synthetic
 
-    dump = synthetic(16, 256, 1, 1, hd, seed=0)
+    dump = read_dump(path, check_finite=False)
+    first = Dump(dump.q[:1], dump.k, dump.v, dump.q_offset)
     with engine.context():
-        run_unit(engine, dump, Job.of(dump).units(0)[0], [config], split=False, trace=False)
+        run_unit(engine, first, Job.of(first).units(0)[0], [config], split=False, trace=False)
     engine.release()
 
 
@@ -349,11 +354,14 @@ class _Start(threading.Thread):
     def run(self):
         t0 = time.perf_counter()
         try:
+            # Dask imported here, off the main thread (half a second), and before dask.config.set, whose
+            # exit would otherwise take the "distributed" settings that the import adds
+            distributed = _dask()
             # closed by the main thread: callbacks, as a client's context (a ContextVar's) is this thread's
             with _spawning():
-                local = _start_local(_dask(), self.spec, self.gpus)
+                local = _start_local(distributed, self.spec, self.gpus)
             self.stack.callback(local.close)
-            self.client = _dask().Client(local, set_as_default=False)
+            self.client = distributed.Client(local, set_as_default=False)
             self.stack.callback(self.client.close)
             self.seconds["start_s"] = time.perf_counter() - t0
             if self.warm is not None:
@@ -376,12 +384,14 @@ class _Start(threading.Thread):
 
 
 @contextmanager
-def cluster(spec: Spec, engine, warm=None):
+def cluster(spec: Spec, engine, warm=None, close_later: bool = False):
     """A Runner on the cluster ``spec`` names, through which every ``run_units`` inside the block
-    runs; the client, and a local cluster with its workers, are closed on the way out, Ctrl-C too.
-    ``warm``: (head dim, config) of a tiny unit each local worker runs before it takes units."""
-    distributed = _dask()
+    runs; the client, and a local cluster with its workers, are closed on the way out, Ctrl-C too:
+    with ``close_later``, off the main thread and joined by ``closed()``, so that a command's tables
+    are made and written meanwhile. ``warm``: (a dump's path, config) whose first query row each local
+    worker runs before it takes units."""
     if spec.address:
+        distributed = _dask()
         try:
             client = distributed.Client(spec.address, timeout=CONNECT_TIMEOUT_S)
         except OSError:  # distributed's connect timeout is an OSError too
@@ -390,14 +400,34 @@ def cluster(spec: Spec, engine, warm=None):
         with client, units_on(Runner(spec, client=client)) as runner:
             yield runner
         return
+    if importlib.util.find_spec("distributed") is None:  # said now; imported by the thread that starts it
+        raise ImportError(_MISSING)
     gpus = _gpu_names(spec, engine)
-    with _ctrl_c_ignored() as restore, ExitStack() as stack:
+    with _ctrl_c_ignored() as restore:
         start = _Start(spec, engine, gpus, warm, restore)
-        stack.push(start.stack)
         start.start()
+        ok = False
         try:
             with units_on(Runner(spec, start=start)) as runner:
                 yield runner
+            start.join()
+            start.up()  # a cluster that could not start is an error even where this process ran every unit
+            ok = close_later
         finally:
             start.join()
+            if ok:
+                closer = threading.Thread(target=start.stack.close, name="apa-cluster-close")
+                closer.start()
+                _CLOSING.append(closer)
+            else:
+                start.stack.close()
+
+
+_CLOSING: list[threading.Thread] = []  # clusters closing off the main thread (cluster's close_later)
+
+
+def closed() -> None:
+    """Wait until every cluster closing off the main thread is closed, its workers gone."""
+    while _CLOSING:
+        _CLOSING.pop().join()
 
