@@ -116,8 +116,16 @@ class _Runner:
             for t in range(wr.first_tile, wr.last_tile + 1):
                 out.hot_words[t // 32] |= np.uint32(1 << (t % 32))
             return out, tr.visit_trace(0)
-        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
+        ops, rows, order = self.p1_inputs(wr)
         trace = tr.visit_trace(order.shape[0] if traced else 0)
+        pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
+        return out, trace
+
+    def p1_inputs(self, wr: WarpRows) -> tuple[P1Operands, P1Rows, np.ndarray]:
+        """What ``pass1_warp`` reads of warp ``wr`` besides the mode and constants: its operands, rows
+        and visiting order (§6.4). Tests replay single visits from them."""
+        p, cfg = self.prep, self.cfg
+        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
         nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
         ops = P1Operands(self._p1_rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
         cq = self._p1_rows(p.cq, wr, 1)
@@ -130,8 +138,7 @@ class _Runner:
             rows = P1Rows(wr.valid, np.ones(ROWS, bool), self.shape.lim(r), self.shape.lo(r), cq, beta)
         else:
             rows = P1Rows(wr.valid, wr.valid, wr.lim, wr.lo, cq, beta)
-        pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
-        return out, trace
+        return ops, rows, order
 
     def _pass2(self, wr: WarpRows, tiles: np.ndarray) -> P2Out:
         p = self.prep
