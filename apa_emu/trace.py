@@ -31,7 +31,7 @@ VISIT_DTYPE = np.dtype(
         ("lv", "<f4", (ROWS,)),
     ]
 )
-# tv and lv: the output hot test's value-weighted sums (§7.6–7.7); +0 under the mass test.
+# tv and lv: the output hot test's value-weighted sums (§7.6–7.7); +0 under the mass and budget tests.
 VISIT_FIELDS = ("tile", "hot", "c", "m", "tl", "la", "lc", "tv", "lv")
 # The emulator's per-warp trace buffers (apa_emu.pass1 fills them), one array per field, in this order.
 VisitTrace = namedtuple("VisitTrace", VISIT_FIELDS)

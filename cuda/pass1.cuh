@@ -259,11 +259,10 @@ __device__ __forceinline__ bool p1_budget_vote(const WarpRows& wr, const P1Warp&
     return __any_sync(0xFFFFFFFFu, (wr.run_lo & over[0]) | (wr.run_hi & over[1]));  // as in p1_frame
 }
 
-// §7.7 hot test, the mass, output or budget test (p1_hot_vote, p1_budget_vote); sets v.a.
+// §7.7 hot test, the mass or the output test (p1_hot_vote; the budget test is p1_budget_vote); sets v.a.
 template <int NDN>
-__device__ __forceinline__ bool p1_hot_test(const Pass1Args& a, const WarpRows& wr, const P1Warp& w,
-                                            const P1State<NDN>& st, P1Visit& v) {
-    if (a.budget) return p1_budget_vote(wr, w, st, v);
+__device__ __forceinline__ bool p1_hot_test(const Pass1Args& a, const WarpRows& wr, const P1State<NDN>& st,
+                                            P1Visit& v) {
     return a.output ? p1_hot_vote(wr, v.tv[0], v.tv[1], v.c[0], v.c[1], st.m[0], st.m[1], st.r[0].lv, st.r[1].lv,
                                   a.eps, a.fma, v.moved, v.a[0], v.a[1])
                     : p1_hot_vote(wr, v.tl[0], v.tl[1], v.c[0], v.c[1], st.m[0], st.m[1], st.r[0].la, st.r[1].la,
@@ -518,8 +517,8 @@ __device__ __forceinline__ void p1_zero(T (&x)[N][4]) {
 }
 
 // §7.8 (apa_emu/pass1.py p1_branch): a hot tile sets its bit in the warp's mask and zeroes P̂, so the
-// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂.
-template <int NDN>
+// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂. BUDGET: the budget test formed t2 before its vote.
+template <bool BUDGET, int NDN>
 __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, bool hot, int t,
                                           const P1Visit& v, P1State<NDN>& st, uint32_t (&pa)[4][4]) {
     if (hot) {
@@ -530,7 +529,7 @@ __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr
     } else {
         const float mass_lo = p1_group_mass(v.mass[0]), mass_hi = p1_group_mass(v.mass[1]);
         float t2[2];
-        if (a.budget)  // formed before its vote
+        if constexpr (BUDGET)
             t2[0] = v.t2[0], t2[1] = v.t2[1];
         else
             p1_self_sums(pa, t2);
@@ -564,7 +563,7 @@ __device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr
         p1_trace_rows(rec, VISIT_TL, wr.g, v.tl[0], v.tl[1], wr.v_lo, wr.v_hi);
         p1_trace_rows(rec, VISIT_LA, wr.g, st.r[0].la, st.r[1].la, wr.v_lo, wr.v_hi);
         p1_trace_rows(rec, VISIT_LC, wr.g, st.r[0].lc, st.r[1].lc, wr.v_lo, wr.v_hi);
-        const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
+        const bool out = a.output != 0;  // the mass and budget tests trace tv and lv as +0 (§10)
         p1_trace_rows(rec, VISIT_TV, wr.g, v.tv[0], v.tv[1], wr.v_lo && out, wr.v_hi && out);
         p1_trace_rows(rec, VISIT_LV, wr.g, st.r[0].lv, st.r[1].lv, wr.v_lo && out, wr.v_hi && out);
     }
@@ -573,8 +572,8 @@ __device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr
 
 // One visit of tile t by a warp that has it (§7.1's mask to §7.8, §10): the loop body of
 // apa_emu/pass1.py pass1_warp past p1_scores, s holding the scores. pa leaves as P̂ of a cold tile,
-// zero for a hot one: the caller's P̂·V̂ adds it to o.
-template <int NDN>
+// zero for a hot one: the caller's P̂·V̂ adds it to o. BUDGET: the budget hot test (§7.7).
+template <bool BUDGET, int NDN>
 __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, int t,
                                          float (&s)[8][4], P1State<NDN>& st, uint32_t (&pa)[4][4]) {
     P1Visit v;
@@ -583,9 +582,14 @@ __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr,
     v.moved = p1_frame(s, wr, w.cq, st.m, a.tau, gm, v.c);
     p1_phat(a, wr, w, s, gm, v, pa);
     p1_row_sums(a, w, pa, t, v);
-    if (a.budget) p1_self_sums(pa, v.t2);  // §7.6: the budget test reads t2 on every tile
-    const bool hot = p1_hot_test(a, wr, w, st, v);
-    p1_branch(a, wr, w, hot, t, v, st, pa);
+    bool hot;
+    if constexpr (BUDGET) {
+        p1_self_sums(pa, v.t2);  // §7.6: the budget test reads t2 on every tile
+        hot = p1_budget_vote(wr, w, st, v);
+    } else {
+        hot = p1_hot_test(a, wr, st, v);
+    }
+    p1_branch<BUDGET>(a, wr, w, hot, t, v, st, pa);
     p1_record(a, wr, w, hot, t, v, st);
     ++st.visit;
 }
@@ -677,6 +681,7 @@ __device__ __forceinline__ void p1_budget_beta(const Pass1Args& a, const Geom& g
 }
 
 // The warp's P1Warp. lim_w, lo_w: through __reduce, so that p1_mask's test is warp-uniform.
+template <bool BUDGET>
 __device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh, int b,
                                           int hk, const float (&cq)[2], float lg2_lane, bool inter) {
     P1Warp w;
@@ -697,8 +702,8 @@ __device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, c
     w.lim_w = lim_w, w.lo_w = lo_w;
     w.nu_lane = a.output && (wr.g & 1);
     w.nu_bh = w.nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
-    w.beta[0] = w.beta[1] = 0.0f;
-    if (a.budget && wr.warp_active) p1_budget_beta(a, geo, wr, bh, cq, w.beta);
+    if constexpr (BUDGET)
+        if (wr.warp_active) p1_budget_beta(a, geo, wr, bh, cq, w.beta);
     return w;
 }
 
@@ -735,9 +740,12 @@ __device__ __forceinline__ int p1_turn_barrier(int wg) { return (int)P1Barrier::
 // One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
 // The loop over the CTA's visiting order runs the tile ring and the warpgroups' turns at the tensor
 // cores; a warp's own visits are p1_visit.
-template <bool SEGMENT>
-__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
-                                          int qb, bool fresh) {
+// BUDGET: compiled per hot test kind, as p1_pfrags per toggle, so that the mass and output tests' code
+// is that of a kernel without the budget test (its t2 before the vote and βr cost registers, which a
+// run-time branch would take from every test).
+template <bool SEGMENT, bool BUDGET>
+__device__ __forceinline__ void pass1_cta_as(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
+                                             int qb, bool fresh) {
     constexpr int NDN = D / 8;  // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const WarpRows wr = p1_rows(a, geo, qb);
@@ -761,7 +769,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     p1_init(st);
     const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
-    const P1Warp w = p1_warp(a, geo, wr, bh, b, hk, cq, lg2_lane, inter);
+    const P1Warp w = p1_warp<BUDGET>(a, geo, wr, bh, b, hk, cq, lg2_lane, inter);
     auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
         const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
         ring.load_images(j, khat_bh + base, vhat_bh + base);
@@ -806,7 +814,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4];  // P̂ of a cold tile; zero otherwise (set on each path: no zeroing first)
         if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)
-            p1_visit(a, wr, w, t, s, st, pa);
+            p1_visit<BUDGET>(a, wr, w, t, s, st, pa);
         else
             p1_zero(pa);
         mma_turn(j + 1);
@@ -823,6 +831,15 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         p1_carry(a, geo, wr, bh, true, st);
     else
         p1_export(a, geo, wr, bh, st);
+}
+
+template <bool SEGMENT>
+__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
+                                          bool fresh) {
+    if (a.budget)
+        pass1_cta_as<SEGMENT, true>(a, geo, smem, b, hk, qb, fresh);
+    else
+        pass1_cta_as<SEGMENT, false>(a, geo, smem, b, hk, qb, fresh);
 }
 
 }  // namespace apa
