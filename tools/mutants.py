@@ -50,8 +50,8 @@ MUTANTS = [
     Mutant("M03", "τ vote uses τ + 1", "apa_emu/pass1.py",
            "mx[r] > m[r] + tau:", "mx[r] > m[r] + tau + np.float32(1):"),
     Mutant("M04", "hot test > → >=", "apa_emu/pass1.py",
-           "if x > eps * (fma32(run, a, x) if fma else run * a + x):",
-           "if x >= eps * (fma32(run, a, x) if fma else run * a + x):"),
+           "if x > eps * (fma32(run, a, x) if mode.fma else run * a + x):",
+           "if x >= eps * (fma32(run, a, x) if mode.fma else run * a + x):"),
     Mutant("M05", "δ with the wrong sign", "apa_emu/pass1.py", "c[r] - k.delta", "c[r] + k.delta"),
     Mutant("M06", "merge: cold part not rescaled (w1 = 1)", "apa_emu/merge.py",
            "w1, w2 = _weight(l1, m1, big, soft), _weight(l2, m2, big, soft)",
@@ -199,10 +199,10 @@ MUTANTS = [
     Mutant("M36", "§7.9 ws rescaled by α once, not α²", "apa_emu/pass1.py",
            "st.ws[r] = (st.ws[r] * alpha) * alpha", "st.ws[r] = st.ws[r] * alpha", ("tests/test_err_est.py",) + SIM),
     Mutant("M37", "§7.8 ws also sums the hot tiles' P̂²", "apa_emu/pass1.py",
-           "    else:\n        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
-           "        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n"
+           "    else:\n        if not mode.budget:\n            p1_self_sums(mode.model, phat, rows.runs, t2)\n",
+           "        p1_self_sums(mode.model, phat, rows.runs, t2)\n"
            "        for r in range(ROWS):\n            st.ws[r] = st.ws[r] + t2[r]\n    else:\n"
-           "        t2 = np.empty(ROWS, F32)\n        p1_self_sums(mode.model, phat, rows.runs, t2)\n",
+           "        if not mode.budget:\n            p1_self_sums(mode.model, phat, rows.runs, t2)\n",
            ("tests/test_err_est.py",)),
     Mutant("M38", "§8.2 p2s not rescaled at a frame move", "apa_emu/pass2.py",
            "        p2s[r] = (p2s[r] * a) * a\n", "", ("tests/test_err_est.py",)),
@@ -214,6 +214,10 @@ MUTANTS = [
     Mutant("M40", "§9.8 the final rounding's error F2 left out", "apa_emu/merge.py",
            "        est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)", "        est = k.z * np.sqrt((vc + vh) / (dn * dn))",
            ("tests/test_err_est.py",)),
+    # issue 32 item 3's budget hot test (§7.7)
+    Mutant("M41", "§7.7 budget test: ws compared in frame m, not rescaled to c", "apa_emu/pass1.py",
+           "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):", "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",
+           ("tests/test_hot_test.py",)),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
            ("tests/test_attribute_configs.py",)),
