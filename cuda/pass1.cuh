@@ -226,7 +226,8 @@ __device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows&
 // §7.7's vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with (x, run) = (tl,
 // la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold tile's update(c)
 // rescales by the same value. moved: p1_frame's vote; without it c = m and a = 1 in every row, and
-// the warp skips the two exp2s (in the exact build ~40 instructions, on most steps).
+// the warp skips the two exp2s (in the exact build ~40 instructions, on most steps). p1_vote_a: that a,
+// which the budget test's vote (p1_budget_vote) takes too.
 __device__ __forceinline__ void p1_vote_a(bool moved, float c_lo, float c_hi, float m_lo, float m_hi, float& a_lo,
                                           float& a_hi) {
     a_lo = a_hi = 1.0f;
@@ -833,6 +834,7 @@ __device__ __forceinline__ void pass1_cta_as(const Pass1Args& a, const Geom& geo
         p1_export(a, geo, wr, bh, st);
 }
 
+// pass1_cta_as compiled for the call's hot test: one uniform branch per CTA work item.
 template <bool SEGMENT>
 __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
                                           bool fresh) {
