@@ -79,8 +79,8 @@ class P1Mode(NamedTuple):
 
 class P1State(NamedTuple):
     """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold scale sum ad,
-    cold output o, the output test's value-weighted sum lv (+0 under the mass and budget tests) and the cold
-    Σ P̂² ws of §9.8."""
+    cold output o, the output test's value-weighted sum lv (+0 under the mass and budget tests) and the
+    cold Σ P̂² ws of §9.8."""
 
     m: np.ndarray
     la: np.ndarray

@@ -280,7 +280,8 @@ def test_the_cases_cover_what_the_kernel_has():
     """The simulator cases together reach every schedule, head dim, hot test and input layout."""
     codes = " ".join(p.values[0] for p in CASES)
     for feature in ("'fused'", "'bounded'", "window=", "page=", "run_varlen", "KVState", "hot_test='output'",
-                    "hot_test='budget'", "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'", ", 128,", ", 256,"):
+                    "hot_test='budget'", "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'",
+                    ", 128,", ", 256,"):
         assert feature in codes, feature
     bounded = [p for p in CASES if "'bounded'" in p.values[0]]
     assert len(bounded) == 11 and sum(MIXED in p.values[1] for p in bounded) >= 4

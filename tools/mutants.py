@@ -216,7 +216,8 @@ MUTANTS = [
            ("tests/test_err_est.py",)),
     # issue 32 item 3's budget hot test (§7.7)
     Mutant("M41", "§7.7 budget test: ws compared in frame m, not rescaled to c", "apa_emu/pass1.py",
-           "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):", "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",
+           "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):",
+           "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",
            ("tests/test_hot_test.py",)),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
