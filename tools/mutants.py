@@ -219,6 +219,10 @@ MUTANTS = [
            "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):",
            "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",
            ("tests/test_hot_test.py",)),
+    Mutant("K32", "kernel budget test: ws compared in frame m, not rescaled to c", "cuda/pass1.cuh",
+           "fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h])", "fadd(st.r[h].ws, v.t2[h])",
+           tuple(f"tests/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
+                 for c in ("80-budget", "81-budget-bounded", "82-budget-fused-pad-vote"))),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
            ("tests/test_attribute_configs.py",)),
