@@ -17,7 +17,7 @@ from .call import Call, Result, logical_kv, resolve_call, resolve_config, run_ch
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
-from .merge import certificate, estimate, merge_y
+from .merge import budget_beta, certificate, estimate, merge_y
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
@@ -116,17 +116,29 @@ class _Runner:
             for t in range(wr.first_tile, wr.last_tile + 1):
                 out.hot_words[t // 32] |= np.uint32(1 << (t % 32))
             return out, tr.visit_trace(0)
-        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
+        ops, rows, order = self.p1_inputs(wr)
         trace = tr.visit_trace(order.shape[0] if traced else 0)
-        nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
-        ops = P1Operands(self._p1_rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
-        if cfg.pad_vote:  # §6.2: padding rows run with their own unclamped key ranges
-            r = np.arange(wr.w * ROWS, (wr.w + 1) * ROWS)
-            rows = P1Rows(wr.valid, np.ones(ROWS, bool), self.shape.lim(r), self.shape.lo(r), self._p1_rows(p.cq, wr, 1))
-        else:
-            rows = P1Rows(wr.valid, wr.valid, wr.lim, wr.lo, self._rows(p.cq, wr, 1))
         pass1_warp(ops, rows, self.mode, self.consts, order, traced, trace, out)
         return out, trace
+
+    def p1_inputs(self, wr: WarpRows) -> tuple[P1Operands, P1Rows, np.ndarray]:
+        """What ``pass1_warp`` reads of warp ``wr`` besides the mode and constants: its operands, rows
+        and visiting order (§6.4). Tests replay single visits from them."""
+        p, cfg = self.prep, self.cfg
+        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
+        nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
+        ops = P1Operands(self._p1_rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
+        cq = self._p1_rows(p.cq, wr, 1)
+        beta = np.zeros(ROWS, F32)
+        if self.mode.budget:  # §7.7: padding rows that vote read qstat's +0 and the c_q pass 1 has
+            qstat = self._rows(p.qstat, wr, 0)
+            beta = budget_beta(self.consts.eps, cq, qstat[:, 0], qstat[:, 1], p.kvstat[0], self.est.rho, p.d)
+        if cfg.pad_vote:  # §6.2: padding rows run with their own unclamped key ranges
+            r = np.arange(wr.w * ROWS, (wr.w + 1) * ROWS)
+            rows = P1Rows(wr.valid, np.ones(ROWS, bool), self.shape.lim(r), self.shape.lo(r), cq, beta)
+        else:
+            rows = P1Rows(wr.valid, wr.valid, wr.lim, wr.lo, cq, beta)
+        return ops, rows, order
 
     def _pass2(self, wr: WarpRows, tiles: np.ndarray) -> P2Out:
         p = self.prep

@@ -19,7 +19,7 @@ CHOICES = {
     "mma": ("sm90", "sm120", "exact"),
     "p_groups": ("consecutive", "interleaved"),
     "exp2": ("soft", "fast"),
-    "hot_test": ("mass", "output"),
+    "hot_test": ("mass", "output", "budget"),
     "k_stats": ("exact", "sampled"),
     "p2_shift": ("sequential", "lanes"),
 }
@@ -49,9 +49,9 @@ class Config:
     reproduces APA 0.2.0's coupled cold frame; ``tau`` = 0 is the exact running maximum.
     ``scale`` is the softmax scale (None: 1/sqrt(d) rounded as binary32). ``hot_test`` "mass"
     compares a tile's share of the softmax sum with ``eps``, "output" its share of the value-norm
-    weighted sum (§7.7). ``v_f16`` rounds V ⊗ (1/vg) to FP16 before it is quantized, as the seed does
-    (§5.5, §12 #6). ``fma`` rounds each of the seed's FMA contraction sites once, as its compiler
-    fuses them (§1.8, §12 #3). ``k_stats`` "sampled" takes the K mean and the head scales from sampled
+    weighted sum, "budget" spends a per-row error budget of relative error ``eps`` on cold tiles (§7.7).
+    ``v_f16`` rounds V ⊗ (1/vg) to FP16 before it is quantized, as the seed does (§5.5, §12 #6).
+    ``fma`` rounds each of the seed's FMA contraction sites once, as its compiler fuses them (§1.8, §12 #3). ``k_stats`` "sampled" takes the K mean and the head scales from sampled
     chunks summed in the seed's binary32 order, with its overflow redo (§5.10, §12 #5); ``pad_vote`` lets
     padding rows vote with the Q of the last row (§6.2, §12 #7); ``p2_shift`` "lanes" forms the pass-2
     row shift per lane as the seed does (§5.3, §12 #9); ``direct_store`` stores a warp with no hot tile
@@ -154,6 +154,7 @@ class Config:
         return constants.Pass1Flags(
             ascending=self.tile_order == "ascending", pow2=self.p_scale == "pow2",
             interleaved=self.p_groups == "interleaved", quant_p=self.quant_p, output=self.hot_test == "output",
+            budget=self.hot_test == "budget",
             fma=self.fma, pad_vote=self.pad_vote,
             direct=self.direct_store and self.eps >= 0)  # §9.5: with ε < 0 every active tile is hot
 

@@ -102,7 +102,8 @@ class Pass1Flags(NamedTuple):
     pow2: bool  # P scale kind (§7.4): ue4m3, or pow2
     interleaved: bool  # P groups (§7.3)
     quant_p: bool  # §7.5
-    output: bool  # hot test (§7.7): mass, or output
+    output: bool  # hot test (§7.7): the output test
+    budget: bool  # hot test (§7.7): the budget test (neither: the mass test)
     fma: bool  # the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv
     pad_vote: bool  # padding rows vote (§6.2)
     direct: bool  # direct_store with pass 1 run (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc)

@@ -117,17 +117,30 @@ def ssq4(x) -> np.ndarray:
     return (s[0] + s[1]) + (s[2] + s[3])
 
 
+def cold_kappa(cq, qn, eq, kvstat, rho, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """§9.8 steps 1–2 for arrays of rows: X = vm ⊗ vm and κ, a cold key's numerator variance per unit P̂²
+    (the estimate's, and the budget hot test's, §7.7)."""
+    km, ekm, vm, evm = (F32(x) for x in kvstat[5:9])  # §5.7's means
+    with np.errstate(over="ignore", invalid="ignore"):
+        a1, b1, cl = eq * km, qn * ekm, cq * LN2  # step 1
+        s1 = ((a1 * a1 + b1 * b1) * (cl * cl)) * F32(2.0 / d)
+        x = vm * vm  # step 2
+        return x, (s1 + rho) * x + evm * evm
+
+
+def budget_beta(eps, cq, qn, eq, kvstat, rho, d: int) -> np.ndarray:
+    """§7.7 βr = (ε ⊗ ε) ⊗ (X ⊘ κ) per row, +inf where κ = +0 (a budget nothing spends)."""
+    x, kappa = cold_kappa(cq, qn, eq, kvstat, rho, d)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.where(kappa > 0, (F32(eps) * F32(eps)) * (x / kappa), F32(np.inf)).astype(F32)
+
+
 def estimate_variances(m1, l1, ws1, m2, l2, p2, o2, nh, cq, qstat, kvstat, sh, k: EstConsts, soft: bool):
     """§9.8 steps 1–5 (less F2) for arrays of rows: the cold and hot keys' variances Vc and Vh and the
     denominator Dn, apart so that ``apa pair`` can say which part of err_est each side holds."""
-    qn, eq = qstat[:, 0], qstat[:, 1]
-    kn, ek, vn, ev = (F32(x) for x in kvstat[5:9])  # §5.7's means
+    x, kappa = cold_kappa(cq, qstat[:, 0], qstat[:, 1], kvstat, k.rho, o2.shape[1])  # steps 1-2
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         _, w1, w2, dn = merge_weights(m1, l1, m2, l2, soft)
-        a1, b1, cl = eq * kn, qn * ek, cq * LN2  # step 1
-        s1 = ((a1 * a1 + b1 * b1) * (cl * cl)) * F32(2.0 / o2.shape[1])
-        x = vn * vn  # step 2
-        kappa = (s1 + k.rho) * x + ev * ev
         sc = np.where(l2 > 0, np.abs(m2 + sh), F32(0)).astype(F32)  # step 3
         ls = LN2 * sc
         kappa2 = ((ls * ls) * k.cs + k.cp) * x

@@ -60,6 +60,7 @@ class P1Rows(NamedTuple):
     lim: np.ndarray  # int64 [16] (§6.1)
     lo: np.ndarray  # int64 [16] (§6.1)
     cq: np.ndarray  # f32 [16] (§5.3)
+    beta: np.ndarray  # f32 [16]: the budget test's βr (§7.7; unread under the other tests)
 
 
 class P1Mode(NamedTuple):
@@ -73,12 +74,13 @@ class P1Mode(NamedTuple):
     fma: bool  # the seed's FMA sites (§1.8)
     direct: bool  # direct_store with pass 1 run: a warp with no hot tile exports §9.5's direct output
     vg: np.float32  # §5.2 (the direct store's vg ⊘ lc)
+    budget: bool = False  # the budget hot test (§7.7)
 
 
 class P1State(NamedTuple):
     """The running state of §7 per row: frame m, all-tile sum la, cold sum lc, cold scale sum ad,
-    cold output o, the output test's value-weighted sum lv (+0 under the mass test) and the cold
-    Σ P̂² ws of §9.8."""
+    cold output o, the output test's value-weighted sum lv (+0 under the mass and budget tests) and the
+    cold Σ P̂² ws of §9.8."""
 
     m: np.ndarray
     la: np.ndarray
@@ -232,14 +234,20 @@ def p1_row_sums(model, phat, pcodes, pscales, nu, output, tl2):
 
 
 @njit(cache=True)
-def p1_hot_test(tl2, runs, st, c, eps, soft, output, fma):
+def p1_hot_test(tl2, t2, rows, st, c, eps, mode):
     """§7.7: hot if any running row has tl > ε ⊗ ((la ⊗ a) ⊕ tl), a = exp2(m ⊖ c), or ε ⊗ fma(la, a, tl)
-    (§1.8); the output test compares tv with lv instead."""
+    (§1.8); the output test compares tv with lv instead; the budget test has ((ws ⊗ a) ⊗ a) ⊕ t2 >
+    βr ⊗ (L ⊗ L), L = (la ⊗ a) ⊕ tl."""
     for r in range(ROWS):
-        if runs[r]:
-            a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], soft)
-            x, run = (tl2[r, 1], st.lv[r]) if output else (tl2[r, 0], st.la[r])
-            if x > eps * (fma32(run, a, x) if fma else run * a + x):
+        if rows.runs[r]:
+            a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], mode.soft)
+            if mode.budget:
+                big = st.la[r] * a + tl2[r, 0]
+                if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):
+                    return True
+                continue
+            x, run = (tl2[r, 1], st.lv[r]) if mode.output else (tl2[r, 0], st.la[r])
+            if x > eps * (fma32(run, a, x) if mode.fma else run * a + x):
                 return True
     return False
 
@@ -277,10 +285,11 @@ def p1_self_sums(model, phat, runs, t2):
 
 
 @njit(cache=True)
-def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2):
+def p1_branch(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
     """§7.8: a hot tile moves the frame to max(m, c ⊖ δ), adds its sum to la alone (tv to lv) and
     sets its hot bit; a cold tile moves it to c, adds its sum to la and lc (tv to lv), its groups'
-    a_g to ad, its Σ P̂² t2 to ws (§9.8) and its P̂·V̂ to o. t2 is left +0 on a hot tile (§10)."""
+    a_g to ad, its Σ P̂² t2 to ws (§9.8; formed here unless the budget test formed it) and its P̂·V̂ to o.
+    t2 is left +0 on a hot tile (§10), under the budget test too."""
     if hot:
         t2[:] = 0
         f = np.empty(ROWS, F32)
@@ -295,7 +304,8 @@ def p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, 
                     st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
         hot_words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
     else:
-        p1_self_sums(mode.model, phat, rows.runs, t2)
+        if not mode.budget:
+            p1_self_sums(mode.model, phat, rows.runs, t2)
         p1_update(c, rows.runs, st, mode.soft)
         for r in range(ROWS):
             if rows.runs[r]:
@@ -365,8 +375,10 @@ def pass1_warp(ops, rows, mode, k, order, traced, trace, out):
         p1_frame(s, t * TILE, rows, mode.slots, k.tau, st.m, gm, c)
         p1_phat(s, t * TILE, rows, gm, c, k, mode, phat, pcodes, pscales, amass)
         p1_row_sums(mode.model, phat, pcodes, pscales, ops.nu_t[t if mode.output else 0], mode.output, tl2)
-        hot = p1_hot_test(tl2, rows.runs, st, c, k.eps, mode.soft, mode.output, mode.fma)
-        p1_branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words, t2)
+        if mode.budget:  # §7.6: the budget test reads t2 on every tile
+            p1_self_sums(mode.model, phat, rows.runs, t2)
+        hot = p1_hot_test(tl2, t2, rows, st, c, k.eps, mode)
+        p1_branch(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, out.hot_words)
         if traced:
             p1_record(trace, visit, t, hot, c, st, tl2, t2, rows.valid)
     p1_export(st, rows.valid, mode, k.Kf, out)

@@ -84,7 +84,7 @@ def configs(draw):
         p2_accum=draw(st.sampled_from(["f16", "f16", "f32"])),
         p_groups=draw(st.sampled_from(["consecutive", "consecutive", "interleaved"])),
         scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
-        hot_test=draw(st.sampled_from(["mass", "mass", "output"])),
+        hot_test=draw(st.sampled_from(["mass", "mass", "output", "budget"])),
         v_f16=draw(st.booleans()),
         fma=draw(st.booleans()),
         p2_shift=draw(st.sampled_from(["sequential", "sequential", "lanes"])),

@@ -33,8 +33,8 @@ VISIT_DTYPE = np.dtype(
         ("ws", "<f4", (ROWS,)),
     ]
 )
-# tv and lv: the output hot test's value-weighted sums (§7.6–7.7); +0 under the mass test. t2 and ws:
-# §9.8's cold Σ P̂², so that a study can say which tiles the estimate's cold variance came from.
+# tv and lv: the output hot test's value-weighted sums (§7.6–7.7); +0 under the mass and budget tests.
+# t2 and ws: §9.8's cold Σ P̂², so that a study can say which tiles the estimate's cold variance came from.
 VISIT_FIELDS = ("tile", "hot", "c", "m", "tl", "la", "lc", "tv", "lv", "t2", "ws")
 # The emulator's per-warp trace buffers (apa_emu.pass1 fills them), one array per field, in this order.
 VisitTrace = namedtuple("VisitTrace", VISIT_FIELDS)

@@ -261,11 +261,13 @@ class Plan:
 
     def attend(self, q):
         """Pass 1 (unless ε < 0), then pass 2 and the merge (numerics.md §7–9); in the bounded
-        schedule, each segment's key images first and pass 1 over it, then the means of them all."""
+        schedule, each segment's key images first and pass 1 over it, then the means of them all (under
+        the budget test, §7.7, before pass 1)."""
         s, cfg = self.shape, self.cfg
         threads = 32 * self.layout.warps
         pass1 = dict(qhat=self.qhat, cq=self.cq, khat=self.khat, vhat=self.vhat, scales=self.scales, nu=self.nu,
-                     part=self.part, ml=self.ml, carry=self.carry, span=self._span(0, s.ntiles), hot=self.hot,
+                     qstat=self.qstat, kvstat=self.kvstat, rho=cfg.est_consts(s.d).rho, part=self.part, ml=self.ml,
+                     carry=self.carry, span=self._span(0, s.ntiles), hot=self.hot,
                      trace_visits=self.visits, visit_base=self.visit_base,
                      **cfg.pass1_consts()._asdict(), **self.pass1_flags._asdict())
         p = self._prep_params
@@ -287,13 +289,19 @@ class Plan:
             return
         grid = (self.ctas, s.Hkv, s.B)
         if self.bounded:
+            early = self.pass1_flags.budget and not self.all_hot  # §7.7: βr reads the means before pass 1,
+            if early:  # so every segment's sums are formed once before it (its images again below)
+                for lo, hi in self.segments():
+                    self._form(lo, hi, lo)
+                self._means()
             for lo, hi in self.segments():
                 self._form(lo, hi, lo)
                 if not self.all_hot:  # the segment holding tile 1 also visits the sink tile 0
                     span = self._span(0 if lo == 1 else lo, hi, lo)
                     self._launch("apa_pass1_segment", grid, threads,
                                  dict(sz=self.sizes, pass1=dict(pass1, span=span)), self.smem1)
-            self._means()
+            if not early:
+                self._means()
         elif not self.all_hot:
             self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)

@@ -114,14 +114,23 @@ struct EstRow {
     bool finite;
 };
 
+// §9.8 steps 1–2 (apa_emu/merge.py cold_kappa) for head dim DIM: κ, a cold key's numerator variance per
+// unit P̂², and X = vm ⊗ vm; the estimate's, and the budget hot test's (§7.7, pass1.cuh p1_budget_beta).
+template <int DIM>
+__device__ __forceinline__ float est_cold_kappa(float cq, float qn, float eq, float km, float ekm, float vm, float evm,
+                                                float rho, float& x) {
+    const float a1 = fmul(eq, km), b1 = fmul(qn, ekm), cl = fmul(cq, f32_from_bits(0x3F317218u));  // step 1
+    const float s1 = fmul(fmul(fadd(fmul(a1, a1), fmul(b1, b1)), fmul(cl, cl)), 2.0f / (float)DIM);  // exact: a power of two
+    x = fmul(vm, vm);  // step 2
+    return fadd(fmul(fadd(s1, rho), x), fmul(evm, evm));
+}
+
 // §9.8 steps 1–7: err_est, Z standard deviations of ‖out − O‖₂, for head dim DIM.
 template <int DIM>
 __device__ __forceinline__ float merge_estimate(const MergeWeights& mw, const EstRow& r, const EstConsts& k) {
     const float ln2 = f32_from_bits(0x3F317218u);
-    const float a1 = fmul(r.eq, r.km), b1 = fmul(r.qn, r.ekm), cl = fmul(r.cq, ln2);  // step 1
-    const float s1 = fmul(fmul(fadd(fmul(a1, a1), fmul(b1, b1)), fmul(cl, cl)), 2.0f / (float)DIM);  // exact: a power of two
-    const float x = fmul(r.vm, r.vm);  // step 2
-    const float kappa = fadd(fmul(fadd(s1, k.rho), x), fmul(r.evm, r.evm));
+    float x;
+    const float kappa = est_cold_kappa<DIM>(r.cq, r.qn, r.eq, r.km, r.ekm, r.vm, r.evm, k.rho, x);  // steps 1-2
     const float sc = r.l2 > 0.0f ? fabsf(fadd(r.m2, r.sh)) : 0.0f;  // step 3
     const float ls = fmul(ln2, sc);
     const float kappa2 = fmul(fadd(fmul(fmul(ls, ls), k.cs), k.cp), x);

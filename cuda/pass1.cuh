@@ -8,6 +8,7 @@
 
 #include "common.cuh"
 #include "formats.cuh"
+#include "merge.cuh"
 #include "mma.cuh"
 #include "pipeline.cuh"
 
@@ -21,6 +22,8 @@ namespace apa {
     X(const uint16_t*, vhat)                                                                                   \
     X(const float*, scales)                                                                                    \
     X(const uint16_t*, nu)    /* [B, Hkv, ntkv, 64] §5.8's ν in slot order (output hot test; else null) */     \
+    X(const float*, qstat)    /* [B, Hkv, Rp, 3] (§5.7; read by the budget hot test alone) */                  \
+    X(const unsigned int*, kvstat) /* [B, Hkv, KV_STATS] float bits (§5.7; the budget test reads the means) */ \
     X(float*, part)           /* [B, Hkv, Rp, D]; between the launches of the bounded schedule, o (§6.7) */    \
     X(float*, ml)             /* [B, Hkv, Rp, 4] = (m1, l1, ad1, ws1) */                                       \
     X(float*, carry)          /* [B, Hkv, Rp, P1_CARRY]: the rest of the warp state between launches (§6.7) */ \
@@ -34,11 +37,13 @@ namespace apa {
     X(float, A)               /* §7.4: 8 ⊖ τ */                                                                \
     X(float, L)               /* §7.4: f32(log2 1536) ⊖ τ */                                                   \
     X(float, Kf)              /* §7.10: f32(2^τ ⊘ 1536) */                                                     \
+    X(float, rho)             /* §9.8 ρ (the budget test's βr, §7.7) */                                        \
     X(int, ascending)         /* tile order (§6.4): 0 = diagonal, 1 = ascending */                             \
     X(int, pow2)              /* P scale kind (§7.4): 0 = ue4m3, 1 = pow2 */                                   \
     X(int, interleaved)       /* P groups (§7.3) */                                                            \
     X(int, quant_p)           /* §7.5 */                                                                       \
-    X(int, output)            /* hot test (§7.7): 0 = mass, 1 = output */                                      \
+    X(int, output)            /* hot test (§7.7): the output test */                                           \
+    X(int, budget)            /* hot test (§7.7): the budget test (neither: the mass test) */                  \
     X(int, fma)               /* the seed's FMA sites (§1.8): §7.4 u₀, §7.5 y, §7.7, §7.8's la and lv */       \
     X(int, pad_vote)          /* padding rows vote (§6.2): prep gave them row R − 1's Q̂ and c_q */            \
     X(int, direct)            /* direct_store (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc) */
@@ -160,6 +165,7 @@ struct P1Warp {
     bool inter;             // §7.3 interleaved P groups
     bool nu_lane;           // §7.6: the lane holds odd columns of tv's MMA, the ones that carry ν
     const uint16_t* nu_bh;  // (b, hk)'s ν (§5.8) at the lane's slots; null unless nu_lane
+    float beta[2];          // §7.7 βr of the lane's rows (budget test; else unread)
     uint32_t* hot_w;        // the warp's hot-mask words
     uint8_t* trace;         // the warp's visit records (§10); null unless traced
     int b, hk;
@@ -167,7 +173,8 @@ struct P1Warp {
 
 // One visit's values of the lane's rows besides the state (apa_emu/pass1.py's c, tl2, t2 and amass):
 // the candidate frame c and the frame vote moved (§7.2), lane t0's group's a_g (§7.8), the row sums
-// tl, tv and, on a cold tile, t2 (§7.6; +0 on a hot one, as §10 traces it) and a = exp2(m ⊖ c) (§7.7).
+// tl, tv, t2 (§7.6: on a cold tile, and before the vote under the budget test; +0 on a hot tile, as
+// §10 traces it) and a = exp2(m ⊖ c) (§7.7).
 struct P1Visit {
     float c[2], mass[2], tl[2], tv[2], t2[2], a[2];
     bool moved;
@@ -220,21 +227,41 @@ __device__ __forceinline__ bool p1_frame(const float (&s)[8][4], const WarpRows&
 // §7.7's vote over the voting rows of x > ε ⊗ ((run ⊗ a) ⊕ x), a = exp2(m ⊖ c), with (x, run) = (tl,
 // la) for the mass test and (tv, lv) for the output test. Sets a of the rows: a cold tile's update(c)
 // rescales by the same value. moved: p1_frame's vote; without it c = m and a = 1 in every row, and
-// the warp skips the two exp2s (in the exact build ~40 instructions, on most steps).
-__device__ __forceinline__ bool p1_hot_vote(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
-                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused,
-                                            bool moved, float& a_lo, float& a_hi) {
+// the warp skips the two exp2s (in the exact build ~40 instructions, on most steps). p1_vote_a: that a,
+// which the budget test's vote (p1_budget_vote) takes too.
+__device__ __forceinline__ void p1_vote_a(bool moved, float c_lo, float c_hi, float m_lo, float m_hi, float& a_lo,
+                                          float& a_hi) {
     a_lo = a_hi = 1.0f;
     if (moved) {
         a_lo = (c_lo == m_lo) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_lo, c_lo));
         a_hi = (c_hi == m_hi) ? 1.0f : exp2x<exp2s_nonpos>(fsub(m_hi, c_hi));
     }
+}
+__device__ __forceinline__ bool p1_hot_vote(const WarpRows& wr, float x_lo, float x_hi, float c_lo, float c_hi,
+                                            float m_lo, float m_hi, float run_lo, float run_hi, float eps, bool fused,
+                                            bool moved, float& a_lo, float& a_hi) {
+    p1_vote_a(moved, c_lo, c_hi, m_lo, m_hi, a_lo, a_hi);
     const bool hp_lo = wr.run_lo & (x_lo > fmul(eps, madd(run_lo, a_lo, x_lo, fused)));  // as in p1_frame
     const bool hp_hi = wr.run_hi & (x_hi > fmul(eps, madd(run_hi, a_hi, x_hi, fused)));
     return __any_sync(0xFFFFFFFFu, hp_lo | hp_hi);
 }
 
-// §7.7 hot test, the mass or the output test (p1_hot_vote); sets v.a.
+// §7.7 budget test's vote over the voting rows of ((ws ⊗ a) ⊗ a) ⊕ t2 > βr ⊗ (L ⊗ L), L = (la ⊗ a) ⊕ tl:
+// the tile's Σ P̂² added to the cold keys' would exceed the row's budget. Sets a as p1_hot_vote does.
+template <int NDN>
+__device__ __forceinline__ bool p1_budget_vote(const WarpRows& wr, const P1Warp& w, const P1State<NDN>& st,
+                                               P1Visit& v) {
+    p1_vote_a(v.moved, v.c[0], v.c[1], st.m[0], st.m[1], v.a[0], v.a[1]);
+    bool over[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float L = fadd(fmul(st.r[h].la, v.a[h]), v.tl[h]);
+        over[h] = fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h]) > fmul(w.beta[h], fmul(L, L));
+    }
+    return __any_sync(0xFFFFFFFFu, (wr.run_lo & over[0]) | (wr.run_hi & over[1]));  // as in p1_frame
+}
+
+// §7.7 hot test, the mass or the output test (p1_hot_vote; the budget test is p1_budget_vote); sets v.a.
 template <int NDN>
 __device__ __forceinline__ bool p1_hot_test(const Pass1Args& a, const WarpRows& wr, const P1State<NDN>& st,
                                             P1Visit& v) {
@@ -492,9 +519,10 @@ __device__ __forceinline__ void p1_zero(T (&x)[N][4]) {
 }
 
 // §7.8 (apa_emu/pass1.py p1_branch): a hot tile sets its bit in the warp's mask and zeroes P̂, so the
-// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂. v.t2 leaves as the tile's Σ P̂² on a cold tile,
-// +0 on a hot one (§10's trace; outside trace builds nothing reads it there).
-template <int NDN>
+// caller's P̂·V̂ adds nothing to o; a cold tile keeps P̂. v.t2 leaves as the tile's Σ P̂² on a cold tile
+// (BUDGET: the budget test formed it before its vote), +0 on a hot one (§10's trace; outside trace
+// builds nothing reads it there).
+template <bool BUDGET, int NDN>
 __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, bool hot, int t,
                                           P1Visit& v, P1State<NDN>& st, uint32_t (&pa)[4][4]) {
     if (hot) {
@@ -505,7 +533,7 @@ __device__ __forceinline__ void p1_branch(const Pass1Args& a, const WarpRows& wr
         p1_zero(pa);
     } else {
         const float mass_lo = p1_group_mass(v.mass[0]), mass_hi = p1_group_mass(v.mass[1]);
-        p1_self_sums(pa, v.t2);
+        if constexpr (!BUDGET) p1_self_sums(pa, v.t2);
         p1_cold_branch(v.c[0], v.a[0], v.tl[0], v.tv[0], mass_lo, v.t2[0], v.moved, st, 0);
         p1_cold_branch(v.c[1], v.a[1], v.tl[1], v.tv[1], mass_hi, v.t2[1], v.moved, st, 1);
     }
@@ -536,7 +564,7 @@ __device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr
         p1_trace_rows(rec, VISIT_TL, wr.g, v.tl[0], v.tl[1], wr.v_lo, wr.v_hi);
         p1_trace_rows(rec, VISIT_LA, wr.g, st.r[0].la, st.r[1].la, wr.v_lo, wr.v_hi);
         p1_trace_rows(rec, VISIT_LC, wr.g, st.r[0].lc, st.r[1].lc, wr.v_lo, wr.v_hi);
-        const bool out = a.output != 0;  // the mass test traces tv and lv as +0 (§10)
+        const bool out = a.output != 0;  // the mass and budget tests trace tv and lv as +0 (§10)
         p1_trace_rows(rec, VISIT_TV, wr.g, v.tv[0], v.tv[1], wr.v_lo && out, wr.v_hi && out);
         p1_trace_rows(rec, VISIT_LV, wr.g, st.r[0].lv, st.r[1].lv, wr.v_lo && out, wr.v_hi && out);
         p1_trace_rows(rec, VISIT_T2, wr.g, v.t2[0], v.t2[1], wr.v_lo, wr.v_hi);
@@ -547,8 +575,8 @@ __device__ __forceinline__ void p1_record(const Pass1Args& a, const WarpRows& wr
 
 // One visit of tile t by a warp that has it (§7.1's mask to §7.8, §10): the loop body of
 // apa_emu/pass1.py pass1_warp past p1_scores, s holding the scores. pa leaves as P̂ of a cold tile,
-// zero for a hot one: the caller's P̂·V̂ adds it to o.
-template <int NDN>
+// zero for a hot one: the caller's P̂·V̂ adds it to o. BUDGET: the budget hot test (§7.7).
+template <bool BUDGET, int NDN>
 __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr, const P1Warp& w, int t,
                                          float (&s)[8][4], P1State<NDN>& st, uint32_t (&pa)[4][4]) {
     P1Visit v;
@@ -557,8 +585,14 @@ __device__ __forceinline__ void p1_visit(const Pass1Args& a, const WarpRows& wr,
     v.moved = p1_frame(s, wr, w.cq, st.m, a.tau, gm, v.c);
     p1_phat(a, wr, w, s, gm, v, pa);
     p1_row_sums(a, w, pa, t, v);
-    const bool hot = p1_hot_test(a, wr, st, v);
-    p1_branch(a, wr, w, hot, t, v, st, pa);
+    bool hot;
+    if constexpr (BUDGET) {
+        p1_self_sums(pa, v.t2);  // §7.6: the budget test reads t2 on every tile
+        hot = p1_budget_vote(wr, w, st, v);
+    } else {
+        hot = p1_hot_test(a, wr, st, v);
+    }
+    p1_branch<BUDGET>(a, wr, w, hot, t, v, st, pa);
     p1_record(a, wr, w, hot, t, v, st);
     ++st.visit;
 }
@@ -632,7 +666,25 @@ __device__ __forceinline__ void p1_load_q(const Pass1Args& a, const Geom& geo, c
     cp_async_commit();
 }
 
+// §7.7 βr = (ε ⊗ ε) ⊗ (X ⊘ κ) of the lane's rows (apa_emu/merge.py budget_beta), +inf where κ = +0: §9.8
+// steps 1–2 from the row's qstat (+0 in a padding row) and c_q as pass 1 reads them, and the head's means
+// (prep_means ran before pass 1 under this test, apa_gpu/plan.py).
+__device__ __forceinline__ void p1_budget_beta(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
+                                               const float (&cq)[2], float (&beta)[2]) {
+    const unsigned int* kv = a.kvstat + bh * KV_STATS;
+    const float ee = fmul(a.eps, a.eps);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float* qs = a.qstat + (bh * geo.Rp_buf + (h ? wr.r_hi : wr.r_lo)) * 3;
+        float x;
+        const float kappa = est_cold_kappa<D>(cq[h], qs[0], qs[1], __uint_as_float(kv[5]), __uint_as_float(kv[6]),
+                                              __uint_as_float(kv[7]), __uint_as_float(kv[8]), a.rho, x);
+        beta[h] = kappa > 0.0f ? fmul(ee, fdiv(x, kappa)) : pos_inf();
+    }
+}
+
 // The warp's P1Warp. lim_w, lo_w: through __reduce, so that p1_mask's test is warp-uniform.
+template <bool BUDGET>
 __device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, const WarpRows& wr, size_t bh, int b,
                                           int hk, const float (&cq)[2], float lg2_lane, bool inter) {
     P1Warp w;
@@ -653,6 +705,8 @@ __device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, c
     w.lim_w = lim_w, w.lo_w = lo_w;
     w.nu_lane = a.output && (wr.g & 1);
     w.nu_bh = w.nu_lane ? a.nu + bh * a.span.stride * TILE + 2 * wr.t0 : nullptr;
+    if constexpr (BUDGET)
+        if (wr.warp_active) p1_budget_beta(a, geo, wr, bh, cq, w.beta);
     return w;
 }
 
@@ -689,9 +743,12 @@ __device__ __forceinline__ int p1_turn_barrier(int wg) { return (int)P1Barrier::
 // One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
 // The loop over the CTA's visiting order runs the tile ring and the warpgroups' turns at the tensor
 // cores; a warp's own visits are p1_visit.
-template <bool SEGMENT>
-__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
-                                          int qb, bool fresh) {
+// BUDGET: compiled per hot test kind, as p1_pfrags per toggle, so that the mass and output tests' code
+// is that of a kernel without the budget test (its t2 before the vote and βr cost registers, which a
+// run-time branch would take from every test).
+template <bool SEGMENT, bool BUDGET>
+__device__ __forceinline__ void pass1_cta_as(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
+                                             int qb, bool fresh) {
     constexpr int NDN = D / 8;  // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const WarpRows wr = p1_rows(a, geo, qb);
@@ -715,7 +772,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
     p1_init(st);
     const uint16_t* khat_bh = a.khat + bh * a.span.stride * TILE * D;
     const uint16_t* vhat_bh = a.vhat + bh * a.span.stride * TILE * D;
-    const P1Warp w = p1_warp(a, geo, wr, bh, b, hk, cq, lg2_lane, inter);
+    const P1Warp w = p1_warp<BUDGET>(a, geo, wr, bh, b, hk, cq, lg2_lane, inter);
     auto load = [&](int j) {  // the tile images of prep of ring step j (visiting step i0 + j), keys >= S zero
         const size_t base = a.span.slot(visit_tile(i0 + j, wr.Fmin, wr.Tmax, a.ascending)) * TILE * D;
         ring.load_images(j, khat_bh + base, vhat_bh + base);
@@ -760,7 +817,7 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         const WgOperand Vop = stage_op.plus((j % P1_STAGES) * STAGE_HALVES + TILE * D);
         uint32_t pa[4][4];  // P̂ of a cold tile; zero otherwise (set on each path: no zeroing first)
         if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)
-            p1_visit(a, wr, w, t, s, st, pa);
+            p1_visit<BUDGET>(a, wr, w, t, s, st, pa);
         else
             p1_zero(pa);
         mma_turn(j + 1);
@@ -777,6 +834,16 @@ __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, u
         p1_carry(a, geo, wr, bh, true, st);
     else
         p1_export(a, geo, wr, bh, st);
+}
+
+// pass1_cta_as compiled for the call's hot test: one uniform branch per CTA work item.
+template <bool SEGMENT>
+__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
+                                          bool fresh) {
+    if (a.budget)
+        pass1_cta_as<SEGMENT, true>(a, geo, smem, b, hk, qb, fresh);
+    else
+        pass1_cta_as<SEGMENT, false>(a, geo, smem, b, hk, qb, fresh);
 }
 
 }  // namespace apa

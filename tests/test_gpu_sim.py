@@ -235,6 +235,14 @@ CASES = [
     case("77-direct-store", "run(77, 24, 2, 1, 260, 64, 236, Config(eps=1e9, direct_store=True), sink=True)", NO_HOT),
     case("78-direct-store-bounded", "run(78, 70, 3, 1, 700, 64, 640, Config(eps=0.3, direct_store=True), sink=True,"
                                     " schedule='bounded', segment=3)", MIXED, MERGED),
+    # The budget hot test (§7.7): t2 before the vote, βr from prep's statistics and means; the bounded
+    # schedule forms every segment's sums first (the means), and carries ws; padding rows vote with βr
+    # from qstat's +0, d = 128, a window, fused.
+    case("80-budget", "run(80, 70, 3, 1, 700, 64, 640, Config(eps=0.02, hot_test='budget'), sink=True)", MIXED, MERGED),
+    case("81-budget-bounded", "run(81, 70, 3, 1, 700, 64, 640, Config(eps=0.02, hot_test='budget',"
+                              " tile_order='ascending'), sink=True, schedule='bounded', segment=3)", MIXED, MERGED),
+    case("82-budget-fused-pad-vote", "run(82, 37, 2, 1, 500, 128, 460, Config(eps=0.01, hot_test='budget',"
+                                     " pad_vote=True), sink=True, window=300, schedule='fused')", MIXED, MERGED),
     # §9.1: rows whose pass 1 holds no mass (every visited tile hot) while its FP4 frame sits far above
     # pass 2's exact maximum (fuzz-2026-12 S1: q and k x20); such a frame must not set the merge's.
     case("79-massless-frame", """
@@ -272,10 +280,11 @@ def test_the_cases_cover_what_the_kernel_has():
     """The simulator cases together reach every schedule, head dim, hot test and input layout."""
     codes = " ".join(p.values[0] for p in CASES)
     for feature in ("'fused'", "'bounded'", "window=", "page=", "run_varlen", "KVState", "hot_test='output'",
-                    "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'", ", 128,", ", 256,"):
+                    "hot_test='budget'", "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'",
+                    ", 128,", ", 256,"):
         assert feature in codes, feature
     bounded = [p for p in CASES if "'bounded'" in p.values[0]]
-    assert len(bounded) == 10 and sum(MIXED in p.values[1] for p in bounded) >= 4
+    assert len(bounded) == 11 and sum(MIXED in p.values[1] for p in bounded) >= 4
 
 
 def test_fma_site_probes_on_simulator(tmp_path):

@@ -1,17 +1,23 @@
 """The output hot test (numerics.md §5.8, §7.6–7.8): ν against a float64 norm, its scale invariance
-against the mass test, and the tiles it moves out of pass 2."""
+against the mass test, and the tiles it moves out of pass 2; the budget hot test (§7.7) against a
+float64 oracle of its rule."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hyp import Seen, examples
 
 import apa_emu.prep
 from apa_emu import Config, attention
-from apa_emu.prep import prep_stats, slot_keys, value_weights
+from apa_emu.api import _Runner
+from apa_emu.geometry import GROUPS, ROWS, TILE, Shape
+from apa_emu.merge import budget_beta
+from apa_emu.pass1 import p1_frame, p1_phat, p1_scores
+from apa_emu.prep import prep_stats, prepare, slot_keys, value_weights
+from apa_emu.problems import make_inputs
 
 F32 = np.float32
 
@@ -94,3 +100,112 @@ def test_hot_test_choice_is_checked():
     with pytest.raises(ValueError, match="hot_test='value'"):
         Config(hot_test="value")
     assert Config.from_overrides(["hot_test=output"]).hot_test == "output"
+
+
+def _beta64(eps, cq, qstat, kvstat, d):
+    """§7.7's βr in float64 from prep's binary32 inputs (§9.8 steps 1–2, ρ = 2⁻⁷ with P' quantized)."""
+    km, ekm, vm, evm = (float(x) for x in kvstat[5:9])
+    qn, eq = qstat[:, 0].astype(np.float64), qstat[:, 1].astype(np.float64)
+    s1 = ((eq * km) ** 2 + (qn * ekm) ** 2) * (cq.astype(np.float64) * np.log(2.0)) ** 2 * 2 / d
+    return eps**2 * vm**2 / ((s1 + 2.0**-7) * vm**2 + evm**2)
+
+
+def _scale(x, to):
+    """2^(x − to) in float64, 1 where x = to (both −inf included)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(x == to, 1.0, np.exp2(x.astype(np.float64) - to.astype(np.float64)))
+
+
+def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
+    """Replays every warp's visits (the trace's frames, the emulator's own P̂ per visit) and holds each
+    verdict against the rule of §7.7 in float64: hot where a row's ((ws·a²) + t2) exceeds βr·L² by more
+    than tol, cold where every row's stays below by more than tol (between: counted, not judged); ws is
+    the float64 Σ P̂² of the row's cold visits in the current frame, and at the end ws1 = ws·Kf² (§7.10)."""
+    res = attention(q, k, v, off, cfg, trace="all")
+    n, H, d = q.shape
+    S, Hkv = k.shape[:2]
+    G = H // Hkv
+    shape = Shape(B=1, n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=off)
+    zero_s = np.zeros((ROWS, TILE), F32)
+    for hk in range(Hkv):
+        prep = prepare(q[:, hk * G:(hk + 1) * G], k[:, hk:hk + 1], v[:, hk:hk + 1], off, cfg, first_key=0)
+        runner = _Runner(shape, 0, hk, prep, cfg, None)
+        mode, consts = runner.mode, runner.consts
+        for w in range(shape.nw):
+            wr = shape.warp_rows(w)
+            ops, rows, order = runner.p1_inputs(wr)
+            sel = res.visits[(res.visits["hk"] == hk) & (res.visits["warp"] == w)]
+            vs = sel[np.argsort(sel["visit"])]
+            np.testing.assert_array_equal(vs["tile"], order)
+            ok = wr.valid
+            beta = np.where(ok, _beta64(float(consts.eps), rows.cq, prep.qstat[0, np.where(ok, wr.rows, 0)],
+                                        prep.kvstat[0], d), 0.0)
+            m = np.full(ROWS, -np.inf, F32)
+            la, ws = np.zeros(ROWS), np.zeros(ROWS)
+            fit_cold = np.zeros(ROWS, bool)  # the row fitted its budget on a cold visit
+            s, gm, c = np.zeros((ROWS, TILE), F32), np.zeros((ROWS, GROUPS), F32), np.zeros(ROWS, F32)
+            phat, pcodes = np.zeros((ROWS, TILE), F32), np.zeros((ROWS, TILE), np.uint8)
+            pscales, amass = np.zeros((ROWS, GROUPS), np.uint8), np.zeros((ROWS, GROUPS), F32)
+            for rec, t in zip(vs, order):
+                p1_scores(mode.model, ops, t, zero_s, s)
+                p1_frame(s, t * TILE, rows, mode.slots, consts.tau, m, gm, c)
+                np.testing.assert_array_equal(c[ok], rec["c"][ok])
+                p1_phat(s, t * TILE, rows, gm, c, consts, mode, phat, pcodes, pscales, amass)
+                t2 = (phat.astype(np.float64) ** 2).sum(axis=1)
+                a = _scale(m, c)
+                big = la * a + rec["tl"]
+                lhs, rhs = ws * a * a + t2, beta * big * big
+                over, fits = ok & (lhs > rhs * (1 + tol)), ~ok | (lhs < rhs * (1 - tol)) | (lhs == 0)
+                hot = bool(rec["hot"])
+                if over.any():
+                    assert hot, f"hk {hk} warp {w} tile {t}: rows {np.flatnonzero(over)} over budget, tile cold"
+                    seen["over_budget_hot"] += 1
+                elif fits.all():
+                    assert not hot, f"hk {hk} warp {w} tile {t}: every row within budget, tile hot"
+                    seen["within_budget_cold"] += 1
+                else:
+                    seen["borderline"] += 1
+                if hot:
+                    seen["spent_budget"] += int((over & fit_cold).sum())  # cold earlier, then over budget and hot
+                else:
+                    fit_cold |= ok & fits & (t2 > 0)
+                m_new = np.where(ok, rec["m"], m).astype(F32)
+                with np.errstate(invalid="ignore"):  # a row without a visible key yet: ws = 0 and m = c = −inf
+                    ws = np.nan_to_num(ws * _scale(m, m_new) ** 2 + (0.0 if hot else t2 * _scale(c, m_new) ** 2))
+                m, la = m_new, rec["la"].astype(np.float64)
+            got = res.rows[(res.rows["hk"] == hk) & (res.rows["row"] // ROWS == w)]["ws1"]
+            want = ws[:len(got)] * float(consts.Kf) ** 2
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-30)
+    seen["cold_tiles"] += res.active_tiles - res.hot_tiles
+    seen["hot_tiles"] += res.hot_tiles
+    return res
+
+
+def test_budget_test_follows_its_rule():
+    """§7.7's budget test against a float64 oracle of its rule on random problems (sink, normal and
+    diffuse keys, both tile orders, d = 64 and 128): every verdict off the boundary agrees, the cold
+    Σ P̂² it spends is the exported ws1, and rows spend their budget: cold first, then over it and hot."""
+    seen = Seen()
+
+    @settings(deadline=None, max_examples=examples(8))
+    @given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 3), st.sampled_from([64, 128]),
+           st.integers(64, 800), st.sampled_from(["sink", "normal", "diffuse"]),
+           st.sampled_from([0.003, 0.01, 0.03, 0.1]), st.sampled_from(["diagonal", "ascending"]))
+    @example(16, 40, 3, 64, 700, "sink", 0.02, "diagonal")
+    def prop(seed, n, G, d, S, structure, eps, order):
+        q, k, v = make_inputs(seed, 1, n, 1, G, d, max(S, n), structure, batched=False)
+        _check_budget_rule(q, k, v, max(S, n) - n, Config(eps=eps, hot_test="budget", tile_order=order), seen)
+
+    prop()
+    seen.require("over_budget_hot", "within_budget_cold", "spent_budget", "cold_tiles", "hot_tiles")
+
+
+def test_budget_of_zero_variance_is_infinite():
+    """βr = +inf where κ = +0 (§7.7: a budget nothing spends); else (ε ⊗ ε) ⊗ (X ⊘ κ), within a few
+    binary32 roundings of the float64 formula."""
+    kv = np.array([0, 0, 0, 0, 0, 3.5, 0.2, 1.5, 0.1], F32)
+    cq, qstat = np.array([0.3, 0.2], F32), np.array([[4.0, 0.3, 4.0], [2.0, 0.0, 2.0]], F32)
+    got = budget_beta(F32(0.01), cq, qstat[:, 0], qstat[:, 1], kv, F32(2.0**-7), 64)
+    np.testing.assert_allclose(got, _beta64(0.01, cq, qstat, kv, 64), rtol=1e-5)
+    kv[5:] = 0
+    assert np.all(budget_beta(F32(0.01), cq, qstat[:, 0], qstat[:, 1], kv, F32(2.0**-7), 64) == np.inf)

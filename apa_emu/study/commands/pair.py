@@ -27,8 +27,8 @@ _TRACE_COLUMNS = """pass-1 trace columns (docs/numerics.md §7 and §10), this r
   tl      the tile's FP4 row sum P̂·1, in units of 2^m
   la      λ after the visit: running row sum of every tile so far
   lc      running row sum of the cold tiles so far
-  tv      hot_test=output: the tile's row sum weighted by ‖v‖/vg (P̂·ν); 0 under the mass test
-  lv      hot_test=output: running sum of tv, the output test's λ; 0 under the mass test
+  tv      hot_test=output: the tile's row sum weighted by ‖v‖/vg (P̂·ν); 0 under the other hot tests
+  lv      hot_test=output: running sum of tv, the output test's λ; 0 under the other hot tests
   t2      the cold tile's Σ P̂² (§7.6), in units of 2^(2m); 0 on a hot tile
   ws      running Σ P̂² of the cold tiles so far, what err_est weighs the cold keys by (§9.8)
 """
