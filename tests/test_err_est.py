@@ -174,8 +174,8 @@ def test_pair_cold_shares_are_the_cold_tiles_square_sums(monkeypatch):
     # jitted steps, p1_branch wrapped to record them.
     lane, branch, seen = (row * dump.group + head % dump.group) % ROWS, pass1.p1_branch, []
 
-    def record(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2):
-        branch(hot, t, tl2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words, t2)
+    def record(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words):
+        branch(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, amass, st, hot_words)
         seen.append((hot, phat[lane].astype(np.float64), float(st.m[lane])))
 
     monkeypatch.setattr(pass1, "p1_branch", record)
