@@ -47,7 +47,9 @@ def _weights(q, k, off, cfg, rows, hot):
 def test_square_sums_are_the_passes_squared_weights(cfg):
     """§7.6/§7.8 ws1 and §8.5 P2 are Σ P̂² over the cold keys and Σ P16² over the hot ones, in the
     frames m1 and m2 (§7.9 and §8.2 rescale them by α² and a²). Against float64 weights 2^(σ − m):
-    pass 2's FP16 scores keep P2 within 5 % (the largest score's chain errs by up to 0.05 in log2 units).
+    pass 2's FP16 scores keep P2 within 10 %: it is about the largest weight squared, and that score's
+    FP16 chain (and its FP16-rounded centred keys) errs by up to about 0.06 in log2 units on these
+    problems, 2^(2·0.06) − 1 = 8.7 % (a random run found 0.056).
     Pass 1's FP4 scores move a row's few large cold weights by up to 2× (and l1 with them), so ws1 is
     held relative to l1², the same weights summed: (ws1/l1²)/(Σw²/(Σw)²) within 3×. A missed rescale
     after a frame move is off by 2^(2τ) = 256×, hot keys counted as cold by the hot share."""
@@ -63,7 +65,7 @@ def test_square_sums_are_the_passes_squared_weights(cfg):
         rows = res.rows
         f = _weights(q, k, off, c, rows, res.hot)
         cold, hot = rows["l1"] > 0, rows["l2"] > 0
-        np.testing.assert_allclose(rows["p2"][hot], f[hot, 3], rtol=0.05)
+        np.testing.assert_allclose(rows["p2"][hot], f[hot, 3], rtol=0.1)
         assert np.all(rows["p2"][~hot] == 0)
         big = cold & (f[:, 1] > 0)
         share = (rows["ws1"][big] / rows["l1"][big] ** 2) / (f[big, 1] / f[big, 0] ** 2)
