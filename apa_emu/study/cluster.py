@@ -40,7 +40,7 @@ import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from .dump import Dump, read_dump
+from .dump import read_dump
 from .engine import run_unit, units_on
 from .report import cfg_name
 
@@ -330,15 +330,16 @@ def _task(engine, path, units, configs, split, trace):
     return get_worker().name, results
 
 
-def _warm(engine, path: str, config) -> None:
-    """The first query row of the dump at ``path`` (its keys whole) on a worker, so that its first
-    real unit pays for no import, context, kernel module, library handle or memory pool."""
+def _warm(engine, hd: int, config) -> None:
+    """A tiny unit on a worker, so that its first real one pays for no import, context or module. (The
+    first query row of a real dump, its keys whole, left less to the first unit but took 4.2 s, not
+    0.8, on the H200: docs/benchmarks.md, issue 34.)"""
     from .scan import Job
+    from .synth import synthetic
 
-    dump = read_dump(path, check_finite=False)
-    first = Dump(dump.q[:1], dump.k, dump.v, dump.q_offset)
+    dump = synthetic(16, 256, 1, 1, hd, seed=0)
     with engine.context():
-        run_unit(engine, first, Job.of(first).units(0)[0], [config], split=False, trace=False)
+        run_unit(engine, dump, Job.of(dump).units(0)[0], [config], split=False, trace=False)
     engine.release()
 
 
@@ -388,8 +389,9 @@ def cluster(spec: Spec, engine, warm=None, close_later: bool = False):
     """A Runner on the cluster ``spec`` names, through which every ``run_units`` inside the block
     runs; the client, and a local cluster with its workers, are closed on the way out, Ctrl-C too:
     with ``close_later``, off the main thread and joined by ``closed()``, so that a command's tables
-    are made and written meanwhile. ``warm``: (a dump's path, config) whose first query row each local
-    worker runs before it takes units."""
+    are made and written meanwhile (and a cluster still starting, if this process ran every unit,
+    is not waited for until then). ``warm``: (head dim, config) of a tiny unit each local worker runs
+    before it takes units."""
     if spec.address:
         distributed = _dask()
         try:
@@ -406,21 +408,25 @@ def cluster(spec: Spec, engine, warm=None, close_later: bool = False):
     with _ctrl_c_ignored() as restore:
         start = _Start(spec, engine, gpus, warm, restore)
         start.start()
-        ok = False
+        later = False
         try:
             with units_on(Runner(spec, start=start)) as runner:
                 yield runner
-            start.join()
-            start.up()  # a cluster that could not start is an error even where this process ran every unit
-            ok = close_later
+            later = close_later
         finally:
-            start.join()
-            if ok:
-                closer = threading.Thread(target=start.stack.close, name="apa-cluster-close")
+            if later:
+                closer = threading.Thread(target=_close, args=(start,), name="apa-cluster-close")
                 closer.start()
                 _CLOSING.append(closer)
             else:
-                start.stack.close()
+                _close(start)
+
+
+def _close(start: "_Start") -> None:
+    """The cluster ``start`` brings up, closed once it is up (a start that failed, for a study whose
+    units all ran in this process, closes what it started and is not an error)."""
+    start.join()
+    start.stack.close()
 
 
 _CLOSING: list[threading.Thread] = []  # clusters closing off the main thread (cluster's close_later)

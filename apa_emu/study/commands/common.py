@@ -374,8 +374,7 @@ def run_study(args, compute, *, pooled: bool = False, variants=None):
     with progress(not args.json, label, chosen.wait) as prog:
         if spec is None:
             return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
-        first = jobs[0].dump.path
-        with cluster.cluster(spec, chosen, warm=(str(first), cfg) if first else None, close_later=True) as runner:
+        with cluster.cluster(spec, chosen, warm=(jobs[0].dump.hd, cfg), close_later=True) as runner:
             result = compute(jobs, cfg, chosen, progress=prog)
     args.timing, args.failed = runner.report(), runner.failed
     return jobs, cfg, chosen, result
