@@ -9,6 +9,8 @@ It checks that the two JSON reports are equal field by field (exit 1 if not) and
 * the overhead of the cluster path: its wall time (its cluster started in a thread and its workers
   warmed up while this process runs the first units, then the rest on the workers) against the
   single process's, and how many units this process ran meanwhile;
+* the same study on a cluster already running, by its address (``tcp://``), after one run that warms
+  its workers: what a cluster kept across studies costs, without its start;
 * the per-unit times measured by the workers (a unit: one KV head of one dump, computed on the
   worker; a task is a run of one dump's units, the dump read once), from the cluster run's ``--json``;
 * the scheduler's per-task cost, measured on a cluster of the same spec: the wall time of
@@ -79,8 +81,9 @@ def _noop(i):
     return i
 
 
-def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
-    """The scheduler's cost per task on a cluster of ``spec``, and its start."""
+def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str]) -> dict:
+    """The scheduler's cost per task on a cluster of ``spec``, and its start; and ``study`` on that
+    cluster once it runs, by its address (tcp://), its second run timed (the first warms the workers)."""
     import distributed
 
     t0 = time.perf_counter()
@@ -88,6 +91,9 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
             distributed.Client(where) as client:
         workers = len(client.scheduler_info()["workers"])
         start = time.perf_counter() - t0
+        address = client.scheduler.address
+        _apa([*study, "--cluster", address])
+        running_s, _, running = _apa([*study, "--cluster", address])
         client.submit(_noop, -1, pure=False).result()  # the first task pays for the function's import
         t0 = time.perf_counter()
         futures = [client.submit(_noop, i, pure=False) for i in range(tasks)]
@@ -99,7 +105,9 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int) -> dict:
             t0 = time.perf_counter()
             client.submit(_noop, i, pure=False).result()
             trips.append(time.perf_counter() - t0)
-    return dict(workers=workers, start_s=start, per_task_s=per_task, round_trip_s=statistics.median(trips))
+    running.pop("cluster")
+    return dict(workers=workers, start_s=start, per_task_s=per_task, round_trip_s=statistics.median(trips),
+                running_s=running_s, running=running)
 
 
 def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
@@ -135,11 +143,11 @@ def main() -> None:
               *extra[:2], "--backend", args.backend])
         single_s, _, single = _apa(study)
         cluster_s, cluster_end_s, clustered = _apa([*study, "--cluster", args.cluster])
+        chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
+        cost = _scheduler_cost(spec, chosen, args.tasks, study)
     timing = clustered.pop("cluster")
-    if clustered != single:
-        sys.exit("bench_cluster: the cluster's report differs from the single process's")
-    chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
-    cost = _scheduler_cost(spec, chosen, args.tasks)
+    if clustered != single or cost["running"] != single:
+        sys.exit("bench_cluster: a cluster's report differs from the single process's")
     per_worker = timing["workers"]
     here = timing.get("this_process", dict(units=0, seconds=0.0))
     units = sum(w["units"] for w in per_worker.values())
@@ -153,6 +161,8 @@ def main() -> None:
         f"--cluster {args.cluster}, wall s to the report written": cluster_s,
         "overhead": (cluster_s - single_s) / single_s,
         f"--cluster {args.cluster}, wall s to its end (its cluster closed)": cluster_end_s,
+        "--cluster tcp:// of a running cluster, warm, wall s to the report written": cost["running_s"],
+        "overhead on a running cluster": (cost["running_s"] - single_s) / single_s,
         # absent where this process ran every unit before the cluster was up
         "the study's cluster: started, s (in a thread, this process running units meanwhile)":
             timing.get("start_s", math.nan),
