@@ -29,7 +29,7 @@ def test_a_tiny_run_on_the_cpu(tmp_path):
     out = tmp_path / "bench.md"
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_cluster.py"), "--dumps", "2", "--rows", "16",
                           "--keys", "256", "--heads", "2", "--kv-heads", "1", "--d", "64", "--backend", "cpu",
-                          "--cluster", "local:2", "--tasks", "20", "--out", str(out)],
+                          "--cluster", "local:2", "--tasks", "20", "--reps", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     table = out.read_text()

@@ -81,9 +81,11 @@ def _noop(i):
     return i
 
 
-def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str]) -> dict:
-    """The scheduler's cost per task on a cluster of ``spec``, and its start; and ``study`` on that
-    cluster once it runs, by its address (tcp://), its second run timed (the first warms the workers)."""
+def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str], cluster_arg: str, reps: int) -> dict:
+    """The scheduler's cost per task on a cluster of ``spec``, and its start; and, while that cluster
+    runs (its workers warmed by one study), ``reps`` rounds of ``study`` in one process, with
+    ``--cluster cluster_arg`` and on the running cluster by its address (tcp://), in turn: a GPU's
+    time for one study moves by 20 % from run to run."""
     import distributed
 
     t0 = time.perf_counter()
@@ -93,7 +95,15 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str]) ->
         start = time.perf_counter() - t0
         address = client.scheduler.address
         _apa([*study, "--cluster", address])
-        running_s, _, running = _apa([*study, "--cluster", address])
+        runs = {"single": [], "cluster": [], "cluster_end": [], "running": []}
+        for _ in range(reps):
+            seconds, _, single = _apa(study)
+            runs["single"].append(seconds)
+            seconds, end, clustered = _apa([*study, "--cluster", cluster_arg])
+            runs["cluster"].append(seconds)
+            runs["cluster_end"].append(end)
+            seconds, _, running = _apa([*study, "--cluster", address])
+            runs["running"].append(seconds)
         client.submit(_noop, -1, pure=False).result()  # the first task pays for the function's import
         t0 = time.perf_counter()
         futures = [client.submit(_noop, i, pure=False) for i in range(tasks)]
@@ -107,7 +117,7 @@ def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str]) ->
             trips.append(time.perf_counter() - t0)
     running.pop("cluster")
     return dict(workers=workers, start_s=start, per_task_s=per_task, round_trip_s=statistics.median(trips),
-                running_s=running_s, running=running)
+                runs=runs, single=single, clustered=clustered, running=running)
 
 
 def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
@@ -129,6 +139,7 @@ def main() -> None:
     ap.add_argument("--backend", default="gpu", choices=["gpu", "cpu"])
     ap.add_argument("--cluster", default="local", help="--cluster of the cluster run (default local)")
     ap.add_argument("--tasks", type=int, default=1000, help="no-op tasks that measure the scheduler's cost")
+    ap.add_argument("--reps", type=int, default=3, help="rounds of the three runs, in turn (wall times: medians)")
     ap.add_argument("--out", help="also write the markdown there")
     args = ap.parse_args()
 
@@ -141,11 +152,12 @@ def main() -> None:
         study = [args.command, tmp, *extra, "--backend", args.backend]
         _apa([args.command, str(Path(tmp) / "d00.apadump"), *(["--rows", "0:16"] if args.command != "attribute" else []),
               *extra[:2], "--backend", args.backend])
-        single_s, _, single = _apa(study)
-        cluster_s, cluster_end_s, clustered = _apa([*study, "--cluster", args.cluster])
         chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
-        cost = _scheduler_cost(spec, chosen, args.tasks, study)
-    timing = clustered.pop("cluster")
+        cost = _scheduler_cost(spec, chosen, args.tasks, study, args.cluster, args.reps)
+    single, clustered, runs = cost["single"], cost["clustered"], cost["runs"]
+    single_s, cluster_s, cluster_end_s, running_s = (statistics.median(runs[k])
+                                                     for k in ("single", "cluster", "cluster_end", "running"))
+    timing = clustered.pop("cluster")  # the last run's
     if clustered != single or cost["running"] != single:
         sys.exit("bench_cluster: a cluster's report differs from the single process's")
     per_worker = timing["workers"]
@@ -157,12 +169,12 @@ def main() -> None:
     later = [(w["seconds"] - w["first_unit_s"]) / (w["units"] - 1) for w in timed if w["units"] > 1]
     unit_max = max(later) if later else unit_mean  # the slowest worker's mean after its first unit
     rows = {
-        "single process, wall s to the report written": single_s,
-        f"--cluster {args.cluster}, wall s to the report written": cluster_s,
+        "single process, wall s to the report written (median)": single_s,
+        f"--cluster {args.cluster}, wall s to the report written (median)": cluster_s,
         "overhead": (cluster_s - single_s) / single_s,
         f"--cluster {args.cluster}, wall s to its end (its cluster closed)": cluster_end_s,
-        "--cluster tcp:// of a running cluster, warm, wall s to the report written": cost["running_s"],
-        "overhead on a running cluster": (cost["running_s"] - single_s) / single_s,
+        "--cluster tcp:// of a running cluster, warm, wall s to the report written (median)": running_s,
+        "overhead on a running cluster": (running_s - single_s) / single_s,
         # absent where this process ran every unit before the cluster was up
         "the study's cluster: started, s (in a thread, this process running units meanwhile)":
             timing.get("start_s", math.nan),
@@ -187,7 +199,7 @@ def main() -> None:
     table = "\n".join([head, "", "| measure | value |", "|---|---:|",
                        *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows.items())])
     print(table)
-    print(json.dumps(dict(rows, per_worker=per_worker), indent=1))
+    print(json.dumps(dict(rows, per_worker=per_worker, runs=runs), indent=1))
     if args.out:
         Path(args.out).write_text(table + "\n")
 
