@@ -201,7 +201,7 @@ class Runner:
     def _up(self) -> bool:
         """Whether the cluster takes units: its workers warm (and SIGINT answered again), or still
         starting, in which case this process runs the next unit itself."""
-        if self.start is not None and self.start.done.is_set():
+        if self.client is None and self.start is not None and self.start.done.is_set():
             self.client = self.start.up()
         return self.client is not None
 
