@@ -81,7 +81,7 @@ def _noop(i):
     return i
 
 
-def _scheduler_cost(spec: cluster.Spec, chosen, tasks: int, study: list[str], cluster_arg: str, reps: int) -> dict:
+def _measure(spec: cluster.Spec, chosen, tasks: int, study: list[str], cluster_arg: str, reps: int) -> dict:
     """The scheduler's cost per task on a cluster of ``spec``, and its start; and, while that cluster
     runs (its workers warmed by one study), ``reps`` rounds of ``study`` in one process, with
     ``--cluster cluster_arg`` and on the running cluster by its address (tcp://), in turn: a GPU's
@@ -153,7 +153,7 @@ def main() -> None:
         _apa([args.command, str(Path(tmp) / "d00.apadump"), *(["--rows", "0:16"] if args.command != "attribute" else []),
               *extra[:2], "--backend", args.backend])
         chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
-        cost = _scheduler_cost(spec, chosen, args.tasks, study, args.cluster, args.reps)
+        cost = _measure(spec, chosen, args.tasks, study, args.cluster, args.reps)
     single, clustered, runs = cost["single"], cost["clustered"], cost["runs"]
     single_s, cluster_s, cluster_end_s, running_s = (statistics.median(runs[k])
                                                      for k in ("single", "cluster", "cluster_end", "running"))
