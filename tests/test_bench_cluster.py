@@ -19,10 +19,11 @@ from test_cluster import distributed  # noqa: E402, F401 (Dask or a skip, and un
 
 def test_projection_counts_rounds_of_units():
     cost = dict(start_s=2.0, per_task_s=0.01, round_trip_s=0.1)
-    # 80 units on 8 workers, in 16 tasks: 10 rounds of 1 s and 2 of a round trip after the start and the
-    # warm-up, plus 16 × 0.01 s; on 32 workers, 64 tasks: 3 rounds of units, 2 round trips, 64 × 0.01 s
-    assert bench_cluster._project(80, 1.0, 0.5, cost, 8) == pytest.approx(2.0 + 0.5 + 10 * 1.0 + 2 * 0.1 + 0.16)
-    assert bench_cluster._project(80, 1.0, -0.2, cost, 32) == pytest.approx(2.0 + 3 * 1.0 + 2 * 0.1 + 0.64)
+    # 2 dumps of 4 units on 1 worker: tasks of at most half the units left, within a dump: 4, 2, 1, 1;
+    # 8 rounds of 1 s after the start and the warm-up, 4 round trips, 4 x 0.01 s
+    assert bench_cluster._project(2, 4, 1.0, 0.5, cost, 1) == pytest.approx(2.0 + 0.5 + 8 * 1.0 + 4 * 0.1 + 0.04)
+    # on 8 workers every task is one unit (8 left / 16): one round of units, one of round trips, 8 tasks
+    assert bench_cluster._project(2, 4, 1.0, -0.2, cost, 8) == pytest.approx(2.0 + 1.0 + 0.1 + 0.08)
 
 
 def test_a_tiny_run_on_the_cpu(tmp_path):
@@ -35,7 +36,7 @@ def test_a_tiny_run_on_the_cpu(tmp_path):
     table = out.read_text()
     assert "the reports are equal field by field" in table and table in run.stdout
     rows = json.loads(run.stdout[len(table):])
-    here = rows["units (dump, KV head) run in this process meanwhile"]
+    here = rows["units (dump, KV head) run in this process, a peer of the workers"]
     assert rows["units (dump, KV head) on the workers"] + here == 2 and rows["workers"] == 2
     assert sum(w["units"] for w in rows["per_worker"].values()) == 2 - here
     assert rows["scheduler cost per task (20 no-op tasks, workers busy), s"] > 0

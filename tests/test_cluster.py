@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -108,19 +109,52 @@ def test_this_process_runs_units_while_the_cluster_starts_and_the_workers_the_re
         return up(self)
 
     monkeypatch.setattr(cluster.Runner, "_up", up_after_two_units_here)
+    # up after 2 units here, the workers' 4 threads take the other 2 at once: nothing is left here
     report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
     assert report == single["scan"]
     assert timing["this_process"]["units"] == 2 and sum(t["units"] for t in timing["workers"].values()) == 2
     assert timing["start_s"] > 0 and timing["warm_s"] > 0
 
 
-def test_units_are_cut_into_tasks_of_one_dump_each():
-    units = [SimpleNamespace(dump=d) for d in (0, 0, 0, 0, 0, 1, 1, 2)]
-    # 1 worker: 3 dumps give its 2 tasks already; 2 workers: 4 tasks wanted, so each dump in 2 (or its units)
-    assert cluster._tasks(units, list(range(8)), workers=1) == [[0, 1, 2, 3, 4], [5, 6], [7]]
-    assert cluster._tasks(units, list(range(8)), workers=2) == [[0, 1, 2], [3, 4], [5], [6], [7]]
-    assert cluster._tasks(units, list(range(8)), workers=8) == [[0], [1], [2], [3], [4], [5], [6], [7]]
-    assert cluster._tasks(units, [7, 2, 5, 3], workers=1) == [[7], [2, 3], [5]]
+def test_this_process_stays_a_peer_of_the_warm_workers(capsys, dumps, single, monkeypatch):
+    """The cluster awaited before the first unit, one task per worker thread: the workers take the
+    last units, and this process the first, after the cluster is up."""
+    up = cluster.Runner._up
+
+    def up_first(self):
+        if self.start is not None:
+            self.start.done.wait(120)
+        return up(self)
+
+    monkeypatch.setattr(cluster.Runner, "_up", up_first)
+    monkeypatch.setattr(cluster, "IN_FLIGHT", 1)
+    report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
+    assert report == single["scan"]
+    on_workers = sum(t["units"] for t in timing["workers"].values())
+    assert timing["this_process"]["units"] >= 1 and on_workers >= 2
+    assert timing["this_process"]["units"] + on_workers == 4
+
+
+def tasks_of(dumps: tuple, peers: int) -> list[list[int]]:
+    units, queue, tasks = [SimpleNamespace(dump=d) for d in dumps], deque(range(len(dumps))), []
+    while queue:
+        tasks.append(cluster._next_task(units, queue, peers))
+    return tasks
+
+
+def test_tasks_are_cut_off_the_back_one_dump_each_ever_shorter():
+    two = (0,) * 8 + (1,) * 8
+    # at most ceil(left / (2 x 2)), within one dump: 16 left give 4, 12 give 3 (dump 1's last 3), then
+    # dump 1's last unit alone, and dump 0 from the back in 2, 2, 1, 1, 1, 1
+    assert tasks_of(two, peers=2) == [[12, 13, 14, 15], [9, 10, 11], [8], [6, 7], [4, 5], [3], [2], [1], [0]]
+    assert tasks_of(two, peers=9) == [[15], [14]] + [[i] for i in range(13, -1, -1)]
+    # one peer: ceil(left / 2), 3 at most from 6 left but dump 2 holds one, then 3 of 5 but dump 1 two
+    assert tasks_of((0, 0, 0, 1, 1, 2), peers=1) == [[5], [3, 4], [1, 2], [0]]
+
+
+def test_no_cut_gives_a_dump_per_task(monkeypatch):
+    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", 0)
+    assert tasks_of((0, 0, 0, 1, 1, 2), peers=3) == [[5], [3, 4], [0, 1, 2]]
 
 
 class DieAfterFirstUnit(distributed.WorkerPlugin):

@@ -18,8 +18,8 @@ It checks that the two JSON reports are equal field by field (exit 1 if not) and
   worker busy), and the round trip of one task at a time (median of 30);
 * the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: the cluster
   start and the workers' warm-up (once, in parallel), then rounds of as many units as there are
-  workers at the slowest worker's time per later unit, a round trip per round of tasks (the runner's
-  TASKS_PER_WORKER per worker), and the scheduler's per-task cost for every task on top (it
+  workers at the slowest worker's time per later unit, a round trip per round of tasks (cut as the
+  runner cuts them, ever shorter off the back of the queue), and the scheduler's per-task cost for every task on top (it
   serialises). Nothing is taken off for this process's units: on many GPUs it hides the start only.
 
     python tools/bench_cluster.py                                   # the issue's study: 10 dumps, 2048 x 32768
@@ -42,7 +42,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -120,9 +122,13 @@ def _measure(spec: cluster.Spec, chosen, tasks: int, study: list[str], cluster_a
                 runs=runs, single=single, clustered=clustered, running=running)
 
 
-def _project(units: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
-    tasks = min(units, cluster.TASKS_PER_WORKER * workers)  # as the runner cuts them (dumps of many units)
-    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(units / workers) * unit_max
+def _project(dumps: int, per_dump: int, unit_max: float, warm_up: float, cost: dict, workers: int) -> float:
+    units = [SimpleNamespace(dump=i // per_dump) for i in range(dumps * per_dump)]
+    queue, tasks = deque(range(len(units))), 0
+    while queue:  # as the runner cuts them, on a running cluster (no peer here)
+        cluster._next_task(units, queue, workers)
+        tasks += 1
+    return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(len(units) / workers) * unit_max
             + math.ceil(tasks / workers) * cost["round_trip_s"] + tasks * cost["per_task_s"])
 
 
@@ -179,7 +185,7 @@ def main() -> None:
         "the study's cluster: started, s (in a thread, this process running units meanwhile)":
             timing.get("start_s", math.nan),
         "the study's cluster: its workers' warm-up (a tiny unit each), s": timing.get("warm_s", math.nan),
-        "units (dump, KV head) run in this process meanwhile": here["units"],
+        "units (dump, KV head) run in this process, a peer of the workers": here["units"],
         "their seconds": here["seconds"],
         "units (dump, KV head) on the workers": units,
         "workers": cost["workers"],
@@ -188,7 +194,7 @@ def main() -> None:
         "per unit after a worker's first, slowest worker's mean s": unit_max,
         f"scheduler cost per task ({args.tasks} no-op tasks, workers busy), s": cost["per_task_s"],
         "one task's round trip (median of 30), s": cost["round_trip_s"],
-        **{f"projected, {name}, s": _project(units + here["units"], unit_max, timing.get("warm_s", 0.0), cost, n)
+        **{f"projected, {name}, s": _project(args.dumps, args.kv_heads, unit_max, timing.get("warm_s", 0.0), cost, n)
            for name, n in PROJECTED.items()},
     }
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

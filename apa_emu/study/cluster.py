@@ -7,12 +7,12 @@ uses a running scheduler. ``--devices I,J`` is ``--cluster local`` with one work
 
 A unit of ``engine.run_units`` is one KV head of one dump, under every config of that call (the
 float64 reference is shared between configs as in one process). A task is a run of units of one dump,
-keyed ``apa-unit-...``: a dump's units are cut into as many tasks as give each worker about two
-(TASKS_PER_WORKER), since a unit of the seed's sizes is tens of milliseconds on a GPU and a task's
-round trip about ten. A worker opens the dump itself from its path, once per task, and sends back
-only the units' per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the
-units' order whatever order they finish in, so the tables are bitwise those of one process (on the
-CPU engine, where the workers' BLAS runs as many threads as this process's: see WORKER_ENVIRON).
+keyed ``apa-unit-...``, cut off the back of the queue ever shorter as it empties (``_next_task``),
+since a unit of the seed's sizes is tens of milliseconds on a GPU and a task's round trip about ten.
+A worker opens the dump itself from its path, once per task, and sends back only the units'
+per-pair arrays (``engine.UnitRun``), never Q, K or V. The runs are put back in the units' order
+whatever order they finish in, so the tables are bitwise those of one process (on the CPU engine,
+where the workers' BLAS runs as many threads as this process's: see WORKER_ENVIRON).
 
 Faults. A task whose worker dies is run again elsewhere by the scheduler, and a task that raises is
 run once more. A unit that raises inside a task is run again alone; a unit that fails twice is None
@@ -20,10 +20,11 @@ among the runs, so that its pairs leave the study and every other unit's stay, a
 names it by dump, KV head and configs.
 
 A local cluster starts in a thread, and its workers then warm up (a tiny unit each: imports, the CUDA
-context, the kernel's modules, Numba's cache), while this process runs the first units itself, as
-without a cluster; the rest go to the cluster once every worker is warm. Starting takes a second or
-more per study, longer than a study of a few dumps spends on its units; a running scheduler
-(``tcp://``) has none of it, and this process then runs no unit.
+context, the kernel's modules, Numba's cache), while this process runs units itself, off the front
+of the queue, as without a cluster; once the workers are warm they take tasks off the back, and this
+process goes on to the last unit (``Runner``). Starting takes a second or more per study, longer than
+a study of a few dumps spends on its units; a running scheduler (``tcp://``) has none of it, and
+this process then runs no unit.
 
 Dask is imported only here and only when a cluster is asked for: it is the ``cluster`` extra.
 """
@@ -37,6 +38,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -186,21 +188,27 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
         dashboard=False, dashboard_address=":0")}, **quiet)
 
 
-TASKS_PER_WORKER = 2  # tasks a study's units are cut into, per worker: few round trips, and balance
-HERE = "this process"  # the timing's name for the units this process ran while the cluster started
+TASKS_PER_WORKER = 2  # a task holds at most 1/(this x peers) of the units left: few round trips, a short tail
+IN_FLIGHT = 2  # tasks given each worker thread at a time: the next is there when one ends, without a round trip
+HERE = "this process"  # the timing's name for the units this process ran
 
 
 class Runner:
-    """The units of every ``run_units`` of a study on one Dask client (or, while ``start`` brings a
-    local cluster up, in this process); ``timing`` is each worker's count of units, their seconds and
-    its first unit's, for --json; ``failed`` a line for each unit that failed twice."""
+    """The units of every ``run_units`` of a study on one Dask client and, on a local cluster that
+    ``start`` brings up, in this process too; ``timing`` is each worker's count of units, their
+    seconds and its first unit's, for --json; ``failed`` a line for each unit that failed twice.
+
+    On a local cluster this process is a peer of its workers from the first unit to the last: it takes
+    units off the front of the queue, one at a time, while the cluster starts and after; the workers,
+    once warm, take tasks off the back (``_next_task``), IN_FLIGHT per thread. The two meet in the
+    middle, so the cluster's start costs only what it takes from this process (the GIL, a GPU shared),
+    and the study ends with at most one short task still running on a worker."""
 
     def __init__(self, spec: Spec, client=None, start: "_Start | None" = None):
         self.spec, self.client, self.start, self.timing, self.failed = spec, client, start, {}, []
 
     def _up(self) -> bool:
-        """Whether the cluster takes units: its workers warm (and SIGINT answered again), or still
-        starting, in which case this process runs the next unit itself."""
+        """Whether the cluster takes units: its workers warm (and SIGINT answered again)."""
         if self.client is None and self.start is not None and self.start.done.is_set():
             self.client = self.start.up()
         return self.client is not None
@@ -214,68 +222,26 @@ class Runner:
         for i in sorted({u.dump for u in units}):
             if dumps[i].path is None:
                 raise ValueError("--cluster needs dumps on disk: its workers open them by path")
-        runs, todo, retry, done = [None] * len(units), list(range(len(units))), [], 0
-        if not self._up():
-            with engine.context():
-                while todo and not self._up():
-                    i = todo.pop(0)
-                    t0 = time.perf_counter()
-                    try:
-                        runs[i] = run_unit(engine, dumps[units[i].dump], units[i], configs, split=split, trace=trace)
-                    except Exception:  # noqa: BLE001 (as a worker's: the unit is run again, alone, on the cluster)
-                        retry.append(i)
-                        continue
-                    self._count(HERE, time.perf_counter() - t0)
-                    done += 1
-                    if progress:
-                        progress(done, len(units))
-            engine.release()
-        if todo or retry:
-            if not self._up():  # this process ran every unit, and some raised: they are the cluster's
-                self.start.done.wait()
-                self._up()
-            runs = self._on_cluster(engine, dumps, units, configs, split, trace, progress, runs, todo, retry, done)
-        return runs
-
-    def _on_cluster(self, engine, dumps, units, configs, split, trace, progress, runs, todo, retry, done):
-        tag, futures, failed = uuid.uuid4().hex[:8], {}, []
-
-        def submit(group, retries):
-            u = units[group[0]]
-            future = self.client.submit(_task, engine, str(dumps[u.dump].path), [units[i] for i in group], configs,
-                                        split, trace, key=f"{KEY}-{tag}-{len(futures)}", retries=retries, pure=False)
-            futures[future] = group
-            return future
-
-        pending = _dask().as_completed(loop=self.client.loop, futures=[
-            *(submit(group, retries=1) for group in _tasks(units, todo, sum(self.client.nthreads().values()))),
-            *(submit([i], retries=0) for i in retry)])  # raised once in this process
+        study = _Units(self, engine, dumps, units, configs, split, trace, progress)
+        peer = self.start is not None  # a cluster of this study's own: this process takes units too
         try:
-            for future in pending:
-                group = futures[future]
-                if future.status != "finished":  # erred twice, or cancelled by a scheduler that lost its workers
-                    why = future.exception() if future.status == "error" else "cancelled by the cluster"
-                    failed += [(i, _failure(dumps[units[i].dump], units[i], configs, why)) for i in group]
-                    done += len(group)
-                else:
-                    worker, results = future.result()
-                    for i, (seconds, run) in zip(group, results):
-                        if isinstance(run, list):
-                            runs[i] = run
-                            self._count(worker, seconds)
-                            done += 1
-                        elif len(group) > 1:  # raised once: run it again alone
-                            pending.add(submit([i], retries=0))
-                        else:
-                            failed.append((i, _failure(dumps[units[i].dump], units[i], configs, run)))
-                            done += 1
-                future.release()
-                if progress:
-                    progress(done, len(units))
+            with engine.context() if peer else ExitStack():
+                while study.queue or study.futures or study.raised_here:
+                    if study.pending is None and self._up():
+                        study.open()
+                    if study.pending is not None:
+                        study.gather(block=not (peer and study.queue))
+                    if peer and study.queue:
+                        study.run_here()
+                    elif study.pending is None:  # units that raised here wait for the cluster
+                        self.start.done.wait()
+            if peer:
+                engine.release()
         finally:
-            self.client.cancel([f for f in futures if not f.done()], force=True)
-        self.failed += [line for _, line in sorted(failed)]
-        return runs
+            if study.futures:
+                self.client.cancel(list(study.futures), force=True)
+        self.failed += [line for _, line in sorted(study.failed)]
+        return study.runs
 
     def report(self) -> dict:
         here = self.timing.get(HERE)
@@ -286,18 +252,103 @@ class Runner:
                     **(dict(failed=self.failed) if self.failed else {}))
 
 
-def _tasks(units, todo: list[int], workers: int) -> list[list[int]]:
-    """``todo`` (indices of ``units``) cut into runs of units of one dump, in order: each dump's into
-    as many runs as give the cluster about TASKS_PER_WORKER tasks per worker, at least one."""
-    by_dump: dict[int, list[int]] = {}
-    for i in todo:
-        by_dump.setdefault(units[i].dump, []).append(i)
-    cuts = max(1, -(-TASKS_PER_WORKER * workers // len(by_dump))) if by_dump else 1
-    tasks = []
-    for group in by_dump.values():
-        size = -(-len(group) // min(cuts, len(group)))
-        tasks += [group[j:j + size] for j in range(0, len(group), size)]
-    return tasks
+class _Units:
+    """One ``run_units`` call's units: the queue, what each finished unit gave (``runs``, in the units'
+    order whatever order they finish in), the tasks on the cluster, the units that failed."""
+
+    def __init__(self, runner: Runner, engine, dumps, units, configs, split, trace, progress):
+        self.runner, self.engine, self.dumps, self.units = runner, engine, dumps, units
+        self.configs, self.split, self.trace, self.progress = configs, split, trace, progress
+        self.runs, self.queue, self.done = [None] * len(units), deque(range(len(units))), 0
+        self.raised_here, self.failed, self.futures, self.pending = [], [], {}, None
+        self.tag, self.submitted = uuid.uuid4().hex[:8], 0
+
+    def _finished(self, i, seconds: float, where: str, run) -> None:
+        self.runs[i] = run
+        self.runner._count(where, seconds)
+        self._tick()
+
+    def _tick(self) -> None:
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, len(self.units))
+
+    def run_here(self) -> None:
+        i = self.queue.popleft()
+        t0 = time.perf_counter()
+        try:
+            run = run_unit(self.engine, self.dumps[self.units[i].dump], self.units[i], self.configs,
+                           split=self.split, trace=self.trace)
+        except Exception:  # noqa: BLE001 (as a worker's: the unit is run again, alone, on the cluster)
+            self.raised_here.append(i)
+            return
+        self._finished(i, time.perf_counter() - t0, HERE, run)
+
+    def open(self) -> None:
+        """The cluster is up: the units that raised here go to it, alone, and the first tasks."""
+        client = self.runner.client
+        self.threads = sum(client.nthreads().values())
+        self.peers = len(client.nthreads()) + (self.runner.start is not None)
+        self.pending = _dask().as_completed(loop=client.loop)
+        for i in self.raised_here:
+            self._submit([i], retries=0)
+        self.raised_here = []
+        self._top_up()
+
+    def _submit(self, group: list[int], retries: int) -> None:
+        u = self.units[group[0]]
+        future = self.runner.client.submit(
+            _task, self.engine, str(self.dumps[u.dump].path), [self.units[i] for i in group], self.configs,
+            self.split, self.trace, key=f"{KEY}-{self.tag}-{self.submitted}",
+            retries=retries, pure=False)
+        self.futures[future] = group
+        self.pending.add(future)
+        self.submitted += 1
+
+    def _top_up(self) -> None:
+        while self.queue and len(self.futures) < IN_FLIGHT * self.threads:
+            self._submit(_next_task(self.units, self.queue, self.peers), retries=1)
+
+    def gather(self, block: bool) -> None:
+        """The tasks that have ended (waiting for one if ``block`` and any is out), then tasks for the
+        threads they freed."""
+        if self.pending.has_ready() or (block and self.futures):
+            for future in self.pending.next_batch(block=True):
+                self._ended(future, self.futures.pop(future))
+                future.release()
+        self._top_up()
+
+    def _ended(self, future, group: list[int]) -> None:
+        if future.status != "finished":  # erred twice, or cancelled by a scheduler that lost its workers
+            why = future.exception() if future.status == "error" else "cancelled by the cluster"
+            for i in group:
+                self._failed(i, why)
+            return
+        worker, results = future.result()
+        for i, (seconds, run) in zip(group, results):
+            if isinstance(run, list):
+                self._finished(i, seconds, worker, run)
+            elif len(group) > 1:  # raised once: run it again alone
+                self._submit([i], retries=0)
+            else:
+                self._failed(i, run)
+
+    def _failed(self, i, why) -> None:
+        self.failed.append((i, _failure(self.dumps[self.units[i].dump], self.units[i], self.configs, why)))
+        self._tick()
+
+
+def _next_task(units, queue: deque, peers: int) -> list[int]:
+    """The cluster's next task, off the back of ``queue`` (indices of ``units``): the last queued units
+    of one dump, in order, at most 1/(TASKS_PER_WORKER x peers) of those queued, at least one (and
+    with TASKS_PER_WORKER 0, all of them). Tasks shrink as the queue does, so that the peers end
+    together (guided self-scheduling)."""
+    dump = units[queue[-1]].dump
+    most = -(-len(queue) // (TASKS_PER_WORKER * peers)) if TASKS_PER_WORKER else len(queue)
+    group = []
+    while queue and len(group) < most and units[queue[-1]].dump == dump:
+        group.append(queue.pop())
+    return group[::-1]
 
 
 SHOWN_CONFIGS = 3  # configs named in a failed unit's line (attribute runs some thirty per unit)
