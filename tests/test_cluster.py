@@ -297,6 +297,44 @@ def test_a_unit_failing_in_this_process_is_run_again_on_the_cluster(dumps, monke
     assert runner.failed == ["dump b.apadump, KV head 1, config default config: RuntimeError: planted failure"]
 
 
+class BrokenFirst(CpuEngine):
+    """The emulator, failing on every call of dump a's KV head 0: the first unit, which this process
+    takes after the cluster is up."""
+
+    name = "broken-first"
+
+    def run(self, call, config, *, progress=None):
+        if np.array_equal(np.asarray(call.k)[0, :, 0], DUMPS["a"].k[:, 0]):
+            raise RuntimeError("planted failure")
+        return super().run(call, config, progress=progress)
+
+
+def test_a_unit_failing_here_after_the_cluster_is_up_is_run_again_there(dumps, monkeypatch):
+    up = cluster.Runner._up
+
+    def up_first(self):
+        if self.start is not None:
+            self.start.done.wait(120)
+        return up(self)
+
+    monkeypatch.setattr(cluster.Runner, "_up", up_first)
+    monkeypatch.setattr(cluster, "IN_FLIGHT", 1)  # the workers take units 3 and 2, this process unit 0
+    jobs, got = [scan.Job.of(read_dump(p)) for p in dumps], {}
+
+    def study():
+        with cluster.cluster(cluster.Spec(workers=2), BrokenFirst()) as runner:
+            scan.scan_jobs(jobs, Config(), BrokenFirst())
+        got["runner"] = runner
+
+    thread = threading.Thread(target=study, daemon=True)
+    thread.start()
+    thread.join(180)
+    assert not thread.is_alive(), "the study did not end"
+    runner = got["runner"]
+    assert runner.failed == ["dump a.apadump, KV head 0, config default config: RuntimeError: planted failure"]
+    assert sum(t["units"] for t in runner.timing.values()) == 3
+
+
 def spawned(process) -> list:
     """The processes ``process`` started through multiprocessing's spawn: a local cluster's workers."""
     import psutil

@@ -19,8 +19,8 @@ It checks that the two JSON reports are equal field by field (exit 1 if not) and
 * the study time on 8 GPUs and on 4 hosts × 8 GPUs, projected from those measurements: the cluster
   start and the workers' warm-up (once, in parallel), then rounds of as many units as there are
   workers at the slowest worker's time per later unit, a round trip per round of tasks (cut as the
-  runner cuts them, ever shorter off the back of the queue), and the scheduler's per-task cost for every task on top (it
-  serialises). Nothing is taken off for this process's units: on many GPUs it hides the start only.
+  runner cuts them, ever shorter off the back of the queue), and the scheduler's per-task cost for
+  every task on top (it serialises). Nothing is taken off for this process's units: on many GPUs it hides the start only.
 
     python tools/bench_cluster.py                                   # the issue's study: 10 dumps, 2048 x 32768
     python tools/bench_cluster.py --out bench.md                    # and the table written to a file

@@ -285,14 +285,11 @@ class _Units:
         self._finished(i, time.perf_counter() - t0, HERE, run)
 
     def open(self) -> None:
-        """The cluster is up: the units that raised here go to it, alone, and the first tasks."""
+        """The cluster is up: its first tasks."""
         client = self.runner.client
         self.threads = sum(client.nthreads().values())
         self.peers = len(client.nthreads()) + (self.runner.start is not None)
         self.pending = _dask().as_completed(loop=client.loop)
-        for i in self.raised_here:
-            self._submit([i], retries=0)
-        self.raised_here = []
         self._top_up()
 
     def _submit(self, group: list[int], retries: int) -> None:
@@ -306,6 +303,10 @@ class _Units:
         self.submitted += 1
 
     def _top_up(self) -> None:
+        """The units that raised here, each alone, then tasks for the free threads."""
+        for i in self.raised_here:
+            self._submit([i], retries=0)
+        self.raised_here = []
         while self.queue and len(self.futures) < IN_FLIGHT * self.threads:
             self._submit(_next_task(self.units, self.queue, self.peers), retries=1)
 
