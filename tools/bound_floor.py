@@ -14,6 +14,7 @@ measures aⱼ by probing: it runs the call again with V replaced by one-hot colu
 FP16. The mass hot test does not read V, so the probes' hot tiles are the real call's (checked: their
 hot masks are compared). The probe's rounding, at most 2⁻¹¹·aⱼ + 2⁻²⁵ per key, is taken off each key's
 term, so F stays a floor. Float64 throughout (the softmax, O, F): a measurement, not a bit-exact path.
+The ratios are over the pairs whose F, error and ‖O‖ are all positive (``pairs`` counts them).
 
     python tools/bound_floor.py                                       # the built-in dump, on the emulator
     python tools/bound_floor.py DUMP... --backend gpu --json          # on the kernel
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from apa_emu import Config  # noqa: E402
 from apa_emu import attention as emulate  # noqa: E402
 from apa_emu.geometry import ROWS, TILE, warp_of  # noqa: E402
-from apa_emu.study.dump import builtin_dump_path, read_dump  # noqa: E402
+from apa_emu.study.dump import DumpError, builtin_dump_path, read_dump  # noqa: E402
 
 ELEMENTS = 1 << 26  # (rows x heads x keys) per block of the float64 work
 QUANTILES = (0.5, 0.99, 1.0)
@@ -157,10 +158,16 @@ def main() -> None:
     ap.add_argument("--rows", help="A:B, query rows of each dump (A a multiple of 16; default all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    cfg = Config(eps=args.eps)
+    try:
+        cfg = Config(eps=args.eps)
+    except ValueError as e:
+        raise SystemExit(f"bound_floor: {e}") from None
     reports = []
     for path in args.dumps:
-        dump = read_dump(path)
+        try:
+            dump = read_dump(path)
+        except DumpError as e:
+            raise SystemExit(f"bound_floor: {e}") from None
         rows = _rows(args.rows, dump.q.shape[0])
         q, k, v = np.asarray(dump.q[rows]), np.asarray(dump.k), np.asarray(dump.v)
         off = dump.q_offset + rows.start
