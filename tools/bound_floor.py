@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,11 +47,11 @@ class _Backend:
     """The call and its one-hot probes on the emulator (NumPy) or the kernel (CuPy: K and the probes'
     V stay on the device)."""
 
-    def __init__(self, name: str, q, k, off: int, cfg: Config):
+    def __init__(self, name: str, q, k, off: int, cfg: Config, workers: int = 1):
         self.off, self.cfg, self.name = off, cfg, name
         if name == "cpu":
             self.xp, self.q, self.k = np, q, k
-            self.run = lambda q, k, v, off, cfg: emulate(q, k, v, off, cfg, workers=2)
+            self.run = lambda q, k, v, off, cfg: emulate(q, k, v, off, cfg, workers=workers)
         else:
             import cupy
             from apa_gpu import attention
@@ -156,8 +157,12 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--eps", type=float, default=Config().eps)
     ap.add_argument("--rows", help="A:B, query rows of each dump (A a multiple of 16; default all)")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="the emulator's processes (--backend cpu; default: one per CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.workers < 1:
+        raise SystemExit(f"bound_floor: --workers {args.workers}: expected a positive integer")
     try:
         cfg = Config(eps=args.eps)
     except ValueError as e:
@@ -177,7 +182,7 @@ def main() -> None:
             print(f"\r{name}: probe {done}/{total}, {time.perf_counter() - t0:.0f} s", end="", file=sys.stderr,
                   flush=True)
 
-        res, weights = probe_weights(_Backend(args.backend, q, k, off, cfg), v, progress)
+        res, weights = probe_weights(_Backend(args.backend, q, k, off, cfg, args.workers), v, progress)
         print(file=sys.stderr)
         reports.append(dict(report(Path(path).name, res, floor_terms(q, k, v, off, res, weights, cfg)),
                             rows=f"{rows.start}:{rows.stop}", seconds=round(time.perf_counter() - t0, 1)))
