@@ -116,18 +116,22 @@ def test_this_process_runs_units_while_the_cluster_starts_and_the_workers_the_re
     assert timing["start_s"] > 0 and timing["warm_s"] > 0
 
 
-def test_this_process_stays_a_peer_of_the_warm_workers(capsys, dumps, single, monkeypatch):
-    """The cluster awaited before the first unit, one task per worker thread: the workers take the
-    last units, and this process the first, after the cluster is up."""
+@pytest.fixture
+def up_first(monkeypatch):
+    """A local cluster awaited before the study's first unit, and one task per worker thread: with 2
+    workers they take units 3 and 2, and this process the first, after the cluster is up."""
     up = cluster.Runner._up
 
-    def up_first(self):
+    def awaited(self):
         if self.start is not None:
             self.start.done.wait(120)
         return up(self)
 
-    monkeypatch.setattr(cluster.Runner, "_up", up_first)
+    monkeypatch.setattr(cluster.Runner, "_up", awaited)
     monkeypatch.setattr(cluster, "IN_FLIGHT", 1)
+
+
+def test_this_process_stays_a_peer_of_the_warm_workers(capsys, dumps, single, up_first):
     report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
     assert report == single["scan"]
     on_workers = sum(t["units"] for t in timing["workers"].values())
@@ -309,16 +313,7 @@ class BrokenFirst(CpuEngine):
         return super().run(call, config, progress=progress)
 
 
-def test_a_unit_failing_here_after_the_cluster_is_up_is_run_again_there(dumps, monkeypatch):
-    up = cluster.Runner._up
-
-    def up_first(self):
-        if self.start is not None:
-            self.start.done.wait(120)
-        return up(self)
-
-    monkeypatch.setattr(cluster.Runner, "_up", up_first)
-    monkeypatch.setattr(cluster, "IN_FLIGHT", 1)  # the workers take units 3 and 2, this process unit 0
+def test_a_unit_failing_here_after_the_cluster_is_up_is_run_again_there(dumps, up_first):
     jobs, got = [scan.Job.of(read_dump(p)) for p in dumps], {}
 
     def study():

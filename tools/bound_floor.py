@@ -48,7 +48,7 @@ class _Backend:
     V stay on the device)."""
 
     def __init__(self, name: str, q, k, off: int, cfg: Config, workers: int = 1):
-        self.off, self.cfg, self.name = off, cfg, name
+        self.off, self.cfg = off, cfg
         if name == "cpu":
             self.xp, self.q, self.k = np, q, k
             self.run = lambda q, k, v, off, cfg: emulate(q, k, v, off, cfg, workers=workers)
