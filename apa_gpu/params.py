@@ -177,5 +177,6 @@ PASS1, PASS2, FUSED = DECLARED["Pass1Params"], DECLARED["Pass2Params"], DECLARED
 KERNELS = {
     **dict.fromkeys(("apa_prep_stats", "apa_prep_finalize", "apa_prep_q", "apa_prep_k", "apa_prep_v",
                      "apa_prep_means"), PREP),
-    "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
+    **dict.fromkeys(("apa_pass1", "apa_pass1_segment", "apa_pass1_budget", "apa_pass1_segment_budget"), PASS1),
+    "apa_pass2": PASS2, "apa_fused": FUSED, "apa_fused_budget": FUSED,
 }

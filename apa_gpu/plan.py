@@ -183,6 +183,11 @@ class Plan:
         self.rows = xp.zeros(max(nr, 1) * tr.row_dtype(s.d).itemsize, np.uint8)
 
     # -- launches -------------------------------------------------------------------------------
+    def _pass1_entry(self, name):
+        """The kernel entry of pass 1 (or the fused launch) for the call's hot test: the budget test's is
+        a kernel of its own (cuda/apa.cu), whose registers the other tests' do not share."""
+        return f"{name}_budget" if self.pass1_flags.budget else name
+
     def _launch(self, name, grid, block, params, smem=0):
         device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
 
@@ -282,7 +287,7 @@ class Plan:
             self.flags.fill(0)
             n_tickets = self.items * (1 if self.all_hot else 2)
             grid = (max(1, min(device.backend().num_sms, n_tickets)),)
-            self._launch("apa_fused", grid, threads,
+            self._launch(self._pass1_entry("apa_fused"), grid, threads,
                          dict(sz=self.sizes, B=s.B, counters=self.counters, flags=self.flags, pass1=pass1,
                               pass2=pass2),
                          max(self.smem1, self.smem2))
@@ -298,12 +303,12 @@ class Plan:
                 self._form(lo, hi, lo)
                 if not self.all_hot:  # the segment holding tile 1 also visits the sink tile 0
                     span = self._span(0 if lo == 1 else lo, hi, lo)
-                    self._launch("apa_pass1_segment", grid, threads,
+                    self._launch(self._pass1_entry("apa_pass1_segment"), grid, threads,
                                  dict(sz=self.sizes, pass1=dict(pass1, span=span)), self.smem1)
             if not early:
                 self._means()
         elif not self.all_hot:
-            self._launch("apa_pass1", grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
+            self._launch(self._pass1_entry("apa_pass1"), grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
         self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
 
     def stats(self) -> Stats:

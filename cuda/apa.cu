@@ -9,7 +9,8 @@
 //   -> apa_pass1 (skipped when ε < 0) -> apa_pass2 (pass 2 and the merge, reading K and V as given),
 // or the prep kernels, then apa_fused; or, bounded (§6.7), the statistics and apa_prep_q, then per
 // segment of tiles apa_prep_k and _v into the same images and apa_pass1_segment over it, then
-// apa_prep_means and apa_pass2. Each kernel takes one parameter struct (params.cuh), which
+// apa_prep_means and apa_pass2. Under the budget hot test (§7.7) the pass-1 entries are
+// apa_pass1_budget, apa_pass1_segment_budget and apa_fused_budget. Each kernel takes one parameter struct (params.cuh), which
 // holds the call's sizes; batch is grid z, except in the persistent apa_fused.
 #include "common.cuh"
 #include "params.cuh"
@@ -116,19 +117,21 @@ extern "C" __global__ void __launch_bounds__(128) apa_prep_q(const __grid_consta
            p.p2_lanes != 0, p.fma != 0, p.pad_vote != 0);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1(const __grid_constant__ Pass1Params p) {
-    APA_DYNAMIC_SMEM(smem);
-    const Geom g(p.sz, blockIdx.z);
-    if (g.has_cta(blockIdx.x)) pass1_cta<false>(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
-}
-
-// Pass 1 over one segment of tiles (the bounded schedule, §6.7): the CTA's steps whose tiles lie in
-// p.pass1.span, resumed from and ended with the carried state unless they are its first and last.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass1_segment(const __grid_constant__ Pass1Params p) {
-    APA_DYNAMIC_SMEM(smem);
-    const Geom g(p.sz, blockIdx.z);
-    if (g.has_cta(blockIdx.x)) pass1_cta<true>(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);
-}
+// Pass 1 per hot test kind (pass1_cta's BUDGET): apa_pass1 for the mass and output tests, apa_pass1_budget
+// for the budget test (§7.7). _segment: over one segment of tiles (the bounded schedule, §6.7), the CTA's
+// steps whose tiles lie in p.pass1.span, resumed from and ended with the carried state unless they are
+// its first and last.
+#define APA_PASS1_ENTRY(name, SEGMENT, BUDGET)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const __grid_constant__ Pass1Params p) {     \
+        APA_DYNAMIC_SMEM(smem);                                                                                \
+        const Geom g(p.sz, blockIdx.z);                                                                        \
+        if (g.has_cta(blockIdx.x))                                                                             \
+            pass1_cta<SEGMENT, BUDGET>(p.pass1, g, smem, blockIdx.z, blockIdx.y, blockIdx.x, true);            \
+    }
+APA_PASS1_ENTRY(apa_pass1, false, false)
+APA_PASS1_ENTRY(apa_pass1_budget, false, true)
+APA_PASS1_ENTRY(apa_pass1_segment, true, false)
+APA_PASS1_ENTRY(apa_pass1_segment_budget, true, true)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_pass2(const __grid_constant__ Pass2Params p) {
     APA_DYNAMIC_SMEM(smem);
@@ -159,8 +162,9 @@ __device__ __forceinline__ void item_coords(int item, const GeomSizes& sz, int B
     hk = bh % sz.Hkv;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_constant__ FusedParams p) {
-    APA_DYNAMIC_SMEM(smem);
+// The persistent launch's loop; BUDGET: pass 1's hot test kind, as apa_pass1's.
+template <bool BUDGET>
+__device__ __forceinline__ void fused(const FusedParams& p, uint16_t* smem) {
     __shared__ int ticket_s;
     unsigned int* const flags = p.flags;  // held in a register across the items: ptxas then spills less
     const int items = p.B * p.sz.Hkv * query_blocks(p.sz);
@@ -178,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
         const Geom g(p.sz, b);
         const bool real = g.has_cta(qb);
         if (ticket < n1) {
-            if (real) pass1_cta<false>(p.pass1, g, smem, b, hk, qb, fresh);
+            if (real) pass1_cta<false, BUDGET>(p.pass1, g, smem, b, hk, qb, fresh);
             __syncthreads();  // all of the item's global writes are done
             if (threadIdx.x == 0) {
                 __threadfence();
@@ -198,6 +202,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_
         }
         fresh = fresh && !real;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused(const __grid_constant__ FusedParams p) {
+    APA_DYNAMIC_SMEM(smem);
+    fused<false>(p, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) apa_fused_budget(const __grid_constant__ FusedParams p) {
+    APA_DYNAMIC_SMEM(smem);
+    fused<true>(p, smem);
 }
 
 // Constants the host reads back (apa_gpu/device.py Layout) instead of repeating them: the CTA's

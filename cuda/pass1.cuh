@@ -743,12 +743,14 @@ __device__ __forceinline__ int p1_turn_barrier(int wg) { return (int)P1Barrier::
 // One CTA's work item of pass 1: warps WARPS qb .. WARPS qb + WARPS − 1 of (b, hk). fresh: see TileRing::reset.
 // The loop over the CTA's visiting order runs the tile ring and the warpgroups' turns at the tensor
 // cores; a warp's own visits are p1_visit.
-// BUDGET: compiled per hot test kind, as p1_pfrags per toggle, so that the mass and output tests' code
-// is that of a kernel without the budget test (its t2 before the vote and βr cost registers, which a
-// run-time branch would take from every test).
+// BUDGET: the hot test kind (a.budget), a kernel entry of its own (apa.cu), so that the mass and output
+// tests' code is that of a kernel without the budget test. Its t2 before the vote and βr cost registers,
+// and ptxas allocates one kernel's registers for all of its code: both kinds behind a run-time branch
+// in one kernel left the mass test's pass 1 spilling inside its loop, 20 % slower (docs/benchmarks.md).
 template <bool SEGMENT, bool BUDGET>
-__device__ __forceinline__ void pass1_cta_as(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk,
-                                             int qb, bool fresh) {
+__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
+                                          bool fresh) {
+    if ((a.budget != 0) != BUDGET) __trap();  // the host launched the other kind's entry (apa_gpu/plan.py)
     constexpr int NDN = D / 8;  // channel n-tiles of o
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const WarpRows wr = p1_rows(a, geo, qb);
@@ -834,16 +836,6 @@ __device__ __forceinline__ void pass1_cta_as(const Pass1Args& a, const Geom& geo
         p1_carry(a, geo, wr, bh, true, st);
     else
         p1_export(a, geo, wr, bh, st);
-}
-
-// pass1_cta_as compiled for the call's hot test: one uniform branch per CTA work item.
-template <bool SEGMENT>
-__device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
-                                          bool fresh) {
-    if (a.budget)
-        pass1_cta_as<SEGMENT, true>(a, geo, smem, b, hk, qb, fresh);
-    else
-        pass1_cta_as<SEGMENT, false>(a, geo, smem, b, hk, qb, fresh);
 }
 
 }  // namespace apa

@@ -149,17 +149,29 @@ __device__ __forceinline__ void kvstat_max(unsigned int* __restrict__ kvstat, si
 // The keys some row sees (§5.7): the certificate's statistics are maxima over them, the estimate's means.
 __device__ __forceinline__ bool cert_key(const Geom& g, int key) { return key < g.S && key >= g.lo(0); }
 
-// The block's sums of its threads' u[i] (integers: order-free), returned to thread i < N (0 to the
-// others). Every thread of the block calls it.
-template <int N>
+// The block's sums of its NT threads' u[i] (integers: order-free), returned to thread i < N (0 to the
+// others): each warp's by shuffles, then one shared word per warp and sum. Shared atomics instead (one
+// per thread and sum, on N words) serialized prep_k's and prep_v's blocks at their end (docs/benchmarks.md).
+// Every thread of the block calls it, once per launch.
+template <int NT, int N>
 __device__ __forceinline__ unsigned long long block_sums(const unsigned long long (&u)[N]) {
-    __shared__ unsigned long long acc[N];
-    if (threadIdx.x < N) acc[threadIdx.x] = 0ull;
-    __syncthreads();
+    static_assert(NT % 32 == 0, "whole warps");
+    constexpr int NW = NT / 32;
+    __shared__ unsigned long long acc[NW][N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) atomicAdd(&acc[i], u[i]);  // prep's blocks are small: an atomic per thread
+    for (int i = 0; i < N; ++i) {
+        unsigned long long x = u[i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+        if ((threadIdx.x & 31) == 0) acc[threadIdx.x >> 5][i] = x;
+    }
     __syncthreads();
-    return threadIdx.x < N ? acc[threadIdx.x] : 0ull;
+    unsigned long long total = 0ull;
+    if (threadIdx.x < N) {
+#pragma unroll
+        for (int w = 0; w < NW; ++w) total += acc[w][threadIdx.x];
+    }
+    return total;
 }
 
 // §5.7: a key's norm h as its FP16 value's integer units of 2⁻²⁴, what the means sum (h ≥ 0).
@@ -169,10 +181,10 @@ __device__ __forceinline__ unsigned long long norm_units(float h) {
 
 // §5.7's integer sums of tile t into its kvsum entries i0 .. i0 + N − 1: stored, not added, so that a
 // tile formed again (a KV state's partial last tile, §5.9) replaces its sums. Every thread calls it.
-template <int N>
+template <int NT, int N>
 __device__ __forceinline__ void tile_sums(unsigned long long* __restrict__ kvsum, const Geom& g, size_t bh, int t,
                                           int i0, const unsigned long long (&u)[N]) {
-    const unsigned long long total = block_sums(u);
+    const unsigned long long total = block_sums<NT>(u);
     if (threadIdx.x < N) kvsum[(bh * g.ntkv_buf + t) * KV_SUMS + i0 + threadIdx.x] = total;
 }
 
@@ -234,7 +246,7 @@ __device__ __forceinline__ void prep_k(const uint16_t* __restrict__ k, const flo
     const bool counted = cert_key(g, key);
     float st[3] = {counted ? nrm_end(s0) : 0.0f, counted ? nrm_end(s1) : 0.0f, counted ? nrm_end(s2) : 0.0f};
     unsigned long long u[2] = {norm_units(st[0]), norm_units(st[1])};  // before kvstat_max reduces st
-    tile_sums(kvsum, g, bh, tile, 0, u);
+    tile_sums<K_THREADS>(kvsum, g, bh, tile, 0, u);
     kvstat_max(kvstat, bh, 0, st);
 }
 
@@ -321,7 +333,7 @@ __device__ __forceinline__ void prep_v(uint16_t* smem, const uint16_t* __restric
         u[1] += norm_units(fmul(ev, inv));
         if (nu != nullptr) nu[(bh * span.stride + span.slot(t)) * TILE + j] = nu_s;
     }
-    tile_sums(kvsum, g, bh, t, 2, u);
+    tile_sums<V_THREADS>(kvsum, g, bh, t, 2, u);
     kvstat_max(kvstat, bh, 3, st);
 }
 
@@ -339,7 +351,7 @@ __device__ __forceinline__ void prep_means(const unsigned long long* __restrict_
 #pragma unroll
         for (int j = 0; j < KV_SUMS; ++j) u[j] += kvsum[(bh * g.ntkv_buf + t) * KV_SUMS + j];
     }
-    const unsigned long long total = block_sums(u);
+    const unsigned long long total = block_sums<MEAN_THREADS>(u);
     if (i >= KV_SUMS) return;
     const double q = __ddiv_rn(__ll2double_rn((long long)total), (double)max(g.S - g.lo(0), 1));
     const float mean = __double2float_rn(__dmul_rn(q, 5.9604644775390625e-08));

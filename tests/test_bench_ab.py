@@ -40,7 +40,7 @@ def test_a_copy_reads_equal_and_a_planted_merge_bug_diff(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     verdicts = [line for line in r.stdout.splitlines() if line.startswith("* `")]
     assert len(verdicts) == 2, r.stdout
-    assert verdicts[0].endswith("out EQUAL, hot EQUAL, bound EQUAL, kvstat EQUAL"), verdicts[0]
+    assert verdicts[0].endswith("out EQUAL, hot EQUAL, bound EQUAL, est EQUAL, kvstat EQUAL"), verdicts[0]
     assert "out DIFF" in verdicts[1] and "hot EQUAL" in verdicts[1], verdicts[1]  # the merge runs after pass 1
     assert "round 1/1: HEAD" in r.stderr
 

@@ -122,8 +122,9 @@ def test_layout_has_c_alignment_and_names():
 
 
 APA_KERNELS = {"apa_prep_stats": PREP, "apa_prep_finalize": PREP, "apa_prep_q": PREP, "apa_prep_k": PREP,
-               "apa_prep_v": PREP, "apa_prep_means": PREP, "apa_pass1": PASS1, "apa_pass1_segment": PASS1, "apa_pass2": PASS2,
-               "apa_fused": FUSED}
+               "apa_prep_v": PREP, "apa_prep_means": PREP, "apa_pass1": PASS1, "apa_pass1_segment": PASS1,
+               "apa_pass1_budget": PASS1, "apa_pass1_segment_budget": PASS1, "apa_pass2": PASS2, "apa_fused": FUSED,
+               "apa_fused_budget": FUSED}
 PROBE_KERNELS = {"apa_probe_mma_f32": probes.MMA_F32, "apa_probe_mma_f16": probes.MMA_F16,
                  "apa_probe_exp2": probes.EXP2, "apa_probe_codes": probes.CODES, "apa_probe_quant16": probes.QUANT16,
                  "apa_probe_tables": probes.TABLES, "apa_probe_pscale": probes.PSCALE, "apa_probe_merge": probes.MERGE}

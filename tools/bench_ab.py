@@ -11,9 +11,10 @@ new, ..., base, new, ..., so that a drift of the machine shows in every column, 
 timed in a process is not always the same one. Times are medians of --reps CUDA-event timings of each
 launch of ``prep`` (and their sum) and of ``attend`` (tools/bench_gpu.py ``launch_times``), for the exact
 and the fast build, on the inputs of tools/bench_gpu.py. Then every variant's output, hot masks, error
-bounds and the certificate's per-head statistics are compared with the baseline's, bits and all: a change meant to be scheduling only must read EQUAL
-everywhere. The host code is this checkout's: a source whose parameter structs or exported layout differ
-from it is refused at its first launch (apa_gpu.device).
+bounds, error estimates and per-head statistics are compared with the baseline's, bits and all: a
+change meant to be scheduling only must read EQUAL everywhere. The host code is this checkout's: a
+source whose parameter structs or exported layout differ from it is refused at its first launch
+(apa_gpu.device).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 MODES = ("exact", "fast")
-SAVED = ("out", "hot", "bound", "kvstat")
+SAVED = ("out", "hot", "bound", "est", "kvstat")
 
 
 def source_dir(src: str, work: Path) -> Path:
@@ -194,7 +195,7 @@ def report(args, work: Path, times: dict) -> list[str]:
                         cell += f" ({100 * (np.mean(runs) / np.mean(base) - 1):+.1f} %)"
                     cells.append(cell)
                 lines.append(f"| {family} | {mode} | {kernel.removeprefix('apa_')} | " + " | ".join(cells) + " |")
-    lines += [""] * timed + ["Outputs, hot masks, error bounds and kvstat against the baseline's, bits:", ""]
+    lines += [""] * timed + ["Outputs, hot masks, error bounds and estimates, and kvstat against the baseline's, bits:", ""]
     for i in range(1, n):
         for family in args.family:
             for mode in args.modes:

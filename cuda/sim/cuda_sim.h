@@ -12,6 +12,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <math.h>
@@ -81,21 +82,22 @@ void tma_load_3d(void* smem, const void* map, int c0, int c1, int c2, uint64_t* 
 inline void __syncthreads() { apa_sim::syncthreads(); }
 inline void __syncwarp() { apa_sim::syncwarp(); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+[[noreturn]] inline void __trap() { abort(); }
 void __nanosleep(unsigned);
 
 inline int ctx_lane_() { return (int)(threadIdx.x & 31u); }
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) {
-    static_assert(sizeof(T) == 4, "4-byte shuffles only");
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "4- and 8-byte shuffles, as CUDA's");
     T all[32];
-    apa_sim::warp_exchange(&v, all, 4);
+    apa_sim::warp_exchange(&v, all, sizeof(T));
     return all[src & 31];
 }
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
-    static_assert(sizeof(T) == 4, "4-byte shuffles only");
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "4- and 8-byte shuffles, as CUDA's");
     T all[32];
-    apa_sim::warp_exchange(&v, all, 4);
+    apa_sim::warp_exchange(&v, all, sizeof(T));
     return all[(ctx_lane_()) ^ mask];
 }
 inline int __any_sync(unsigned, int pred) {
