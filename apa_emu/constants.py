@@ -56,7 +56,7 @@ class EstConsts(NamedTuple):
     rho: np.float32  # E2M1 rounding variance of P̂ per P̂²: 2⁻⁷ (quantized P'), else 2⁻²⁵
     cs: np.float32  # pass 2's score chain per (log₂ score)²: (d/16)·2⁻²⁶, exact (d/16)·2⁻⁵⁰
     cp: np.float32  # P16 = f16(p) per p²: 2⁻²⁵, exact 0
-    ca: np.float32  # pass 2's O accumulation per hot tile and ‖o2‖²: 2⁻²³ (FP16 O), 2⁻⁴⁷ (binary32, exact)
+    ca: np.float32  # pass 2's O accumulation per hot tile and ‖o2‖²: 2⁻²¹ (FP16 O), 2⁻⁴⁷ (binary32, exact)
     z: np.float32  # standard deviations: 2
 
 
@@ -64,7 +64,7 @@ def est_consts(d: int, p2_out: str, quant_p: bool) -> EstConsts:
     """§9.8: p2_out is the pass-2 output format, "f16", "f32" or "exact"."""
     exact = p2_out == "exact"
     return EstConsts(F32(2.0**-7 if quant_p else 2.0**-25), F32(d // 16 * 2.0**(-50 if exact else -26)),
-                     F32(0.0 if exact else 2.0**-25), F32(2.0**(-23 if p2_out == "f16" else -47)), F32(2))
+                     F32(0.0 if exact else 2.0**-25), F32(2.0**(-21 if p2_out == "f16" else -47)), F32(2))
 
 
 SQRT_D_UP = {64: 8, 128: 12, 256: 16}

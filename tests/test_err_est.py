@@ -108,7 +108,7 @@ def test_norm_means_are_exact_and_order_free():
 @pytest.mark.parametrize("eps", [0.005, 0.05])
 def test_estimate_calibration_on_the_builtin_dump(eps):
     """§9.8's claim on real data (SmolLM2 L14, 4608 pairs): err_est ≥ ‖out − float64 attention‖ on at
-    least 99.8 % of pairs, and not loose: median est/error below 5 (docs/accuracy.md has the exact
+    least 99.9 % of pairs, and not loose: median est/error below 8 (docs/accuracy.md has the exact
     figures). ε = 0.005 leaves the error to pass 2, ε = 0.05 moves much of it to the cold tiles."""
     dump = read_dump(builtin_dump_path())
     cfg = Config(eps=eps)
@@ -117,8 +117,8 @@ def test_estimate_calibration_on_the_builtin_dump(eps):
     est = res.err_est.astype(np.float64)
     assert res.err_est.dtype == np.float32 and est.shape == err.shape and np.isfinite(est).all()
     cover, tight = (est >= err).mean(), np.median(est[err > 0] / err[err > 0])
-    assert cover >= 0.998, cover
-    assert 1 < tight < 5, tight
+    assert cover >= 0.999, cover
+    assert 1 < tight < 8, tight
     assert 0.05 < res.hot_share < 0.95  # both passes carry error
 
 
