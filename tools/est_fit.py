@@ -55,7 +55,8 @@ def pair_terms(dump, scan, cfg: Config) -> dict:
     k = cfg.est_consts(d)
     rec = res.rows
     hk, r = rec["hk"].astype(np.int64), rec["row"].astype(np.int64)
-    nh = np.array([int(np.unpackbits(res.hot[0, h, w].view(np.uint8)).sum()) for h, w in zip(hk, r // ROWS)])
+    hot_tiles = np.unpackbits(res.hot[0].view(np.uint8), axis=-1).sum(axis=-1)  # [Hkv, warps]: §9.8's nh
+    nh = hot_tiles[hk, r // ROWS]
     f32 = {f: np.asarray(rec[f], np.float32) for f in ("m1", "l1", "ws1", "m2", "l2", "p2")}
     o2, part, out = (np.asarray(rec[f], np.float32) for f in ("o2", "part", "out"))
     cq, sh = prep.cq[hk, r], prep.sh[hk, r]
