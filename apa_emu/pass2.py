@@ -41,7 +41,7 @@ class P2Out(NamedTuple):
     m2: np.ndarray  # [16] f32
     l2: np.ndarray  # [16] f32
     o2: np.ndarray  # [16, d] f32
-    p2: np.ndarray  # [16] f32: Σ P16² (§9.8)
+    p2: np.ndarray  # [16] f32: Σ p² (§8.4, for §9.8)
 
     @classmethod
     def new(cls, d: int) -> "P2Out":
@@ -66,8 +66,8 @@ def p2_scores(mode, q16, k16, t, zero_s, s, rows, x):
 
 
 @njit(cache=True)
-def p2_frame(x, valid, mode, m, l4, p2s, o):
-    """§8.2: move each row's frame to max(m, maxⱼ xⱼ), rescaling l4, p2s (by a twice) and O (FP16 O by
+def p2_frame(x, valid, mode, m, l4, p4, o):
+    """§8.2: move each row's frame to max(m, maxⱼ xⱼ), rescaling l4, p4 (by a twice) and O (FP16 O by
     one binary16 multiply with f16(a))."""
     for r in range(ROWS):
         if not valid[r]:
@@ -80,7 +80,7 @@ def p2_frame(x, valid, mode, m, l4, p2s, o):
         m[r] = mx
         for t0 in range(QUADS):
             l4[r, t0] = l4[r, t0] * a
-        p2s[r] = (p2s[r] * a) * a
+            p4[r, t0] = (p4[r, t0] * a) * a
         if mode.f32_out or mode.exact:
             for c in range(o.shape[1]):
                 o[r, c] = o[r, c] * a
@@ -103,14 +103,16 @@ def p2_probs(x, valid, m, soft, p):
 
 
 @njit(cache=True)
-def p2_row_sum(p, valid, l4):
-    """§8.4: for nt = 0..7 in order, each t0: l4[t0] ← l4[t0] ⊕ (p[8nt+2t0] ⊕ p[8nt+2t0+1])."""
+def p2_row_sum(p, valid, l4, p4):
+    """§8.4: for nt = 0..7 in order, each t0: l4[t0] ← l4[t0] ⊕ (p[8nt+2t0] ⊕ p[8nt+2t0+1]) and
+    p4[t0] ← fma(p[8nt+2t0+1], p[8nt+2t0+1], fma(p[8nt+2t0], p[8nt+2t0], p4[t0]))."""
     for r in range(ROWS):
         if valid[r]:
             for nt in range(TILE // 8):
                 for t0 in range(QUADS):
                     j = 8 * nt + 2 * t0
                     l4[r, t0] = l4[r, t0] + (p[r, j] + p[r, j + 1])
+                    p4[r, t0] = fma32(p[r, j + 1], p[r, j + 1], fma32(p[r, j], p[r, j], p4[r, t0]))
 
 
 @njit(cache=True)
@@ -129,27 +131,13 @@ def p2_pv(mode, p, v16_t, o):
 
 
 @njit(cache=True)
-def p2_self_sums(mode, p, valid, p2s):
-    """§8.5 t2: p2s ⊕= the chain of P16ᵣ against itself from C = +0 (`exact`: §3.3 on p), as pass 1's
-    t2; p holds P16 after p2_pv."""
-    zero, one = np.zeros((1, 1), F32), np.zeros((1, 1), F32)
-    for r in range(ROWS):
-        if valid[r]:
-            row = p[r:r + 1]
-            if mode.exact:
-                mma_exact(row, row, zero, one)
-            else:
-                mma_sm90_f32(row, row, zero, one)
-            p2s[r] = p2s[r] + one[0, 0]
-
-
-@njit(cache=True)
-def p2_end(valid, m, l4, p2s, o, out):
-    """§8.6: l2 = (l4[0] ⊕ l4[1]) ⊕ (l4[2] ⊕ l4[3]), m2 = m, o2 = float(O), P2 = p2s, per valid row."""
+def p2_end(valid, m, l4, p4, o, out):
+    """§8.6: l2 = (l4[0] ⊕ l4[1]) ⊕ (l4[2] ⊕ l4[3]), P2 the same of p4, m2 = m, o2 = float(O), per
+    valid row."""
     for r in range(ROWS):
         if valid[r]:
             out.m2[r] = m[r]
-            out.p2[r] = p2s[r]
+            out.p2[r] = (p4[r, 0] + p4[r, 1]) + (p4[r, 2] + p4[r, 3])
             out.l2[r] = (l4[r, 0] + l4[r, 1]) + (l4[r, 2] + l4[r, 3])
             for c in range(o.shape[1]):
                 out.o2[r, c] = o[r, c]
@@ -160,7 +148,7 @@ def pass2_warp(mode, rows, q16, k16, v16_t, tiles, out):
     """Pass 2 of one warp over ``tiles`` (its hot tiles, ascending, §8). Writes ``out`` (§8.6)."""
     m = np.full(ROWS, NEG_INF, F32)
     l4 = np.zeros((ROWS, QUADS), F32)
-    p2s = np.zeros(ROWS, F32)
+    p4 = np.zeros((ROWS, QUADS), F32)
     o = np.zeros((ROWS, q16.shape[1]), F32)
     s = np.zeros((ROWS, TILE), F32)
     zero_s = np.zeros((ROWS, TILE), F32)
@@ -169,9 +157,8 @@ def pass2_warp(mode, rows, q16, k16, v16_t, tiles, out):
     for idx in range(tiles.shape[0]):
         t = tiles[idx]
         p2_scores(mode, q16, k16, t, zero_s, s, rows, x)
-        p2_frame(x, rows.valid, mode, m, l4, p2s, o)
+        p2_frame(x, rows.valid, mode, m, l4, p4, o)
         p2_probs(x, rows.valid, m, mode.soft, p)
-        p2_row_sum(p, rows.valid, l4)
+        p2_row_sum(p, rows.valid, l4, p4)
         p2_pv(mode, p, v16_t[t], o)
-        p2_self_sums(mode, p, rows.valid, p2s)
-    p2_end(rows.valid, m, l4, p2s, o, out)
+    p2_end(rows.valid, m, l4, p4, o, out)

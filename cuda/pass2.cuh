@@ -1,9 +1,9 @@
 // pass2.cuh: pass 2 per warp over its hot tiles in ascending order (docs/numerics.md §8), and the
 // CTA driver that ends with the merge of both passes (§9, merge.cuh).
 //
-// Per lane (g = lane>>2, t0 = lane&3), rows g ("lo") and g+8 ("hi"): m and p2s replicated over the quad,
-// l4 = the lane's own per-t0 partial sum (§8.4: the m16n8k16 accumulator layout gives lane t0
-// exactly keys 8nt + 2t0 + e), O = the output accumulator fragment (f16x2 pairs or f32).
+// Per lane (g = lane>>2, t0 = lane&3), rows g ("lo") and g+8 ("hi"): m replicated over the quad, l4 and
+// p4 = the lane's own per-t0 partial sums of p and p² (§8.4: the m16n8k16 accumulator layout gives lane
+// t0 exactly keys 8nt + 2t0 + e), O = the output accumulator fragment (f16x2 pairs or f32).
 #pragma once
 
 #include "common.cuh"
@@ -54,7 +54,7 @@ struct Pass2State {
 #else
     uint32_t O[D / 8][2];
 #endif
-    float m_lo, m_hi, l4_lo, l4_hi, p2s_lo, p2s_hi;
+    float m_lo, m_hi, l4_lo, l4_hi, p4_lo, p4_hi;
 };
 
 __device__ __forceinline__ void p2_init(Pass2State& st) {
@@ -68,7 +68,7 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
     }
     st.m_lo = st.m_hi = neg_inf();
     st.l4_lo = st.l4_hi = 0.0f;
-    st.p2s_lo = st.p2s_hi = 0.0f;
+    st.p4_lo = st.p4_hi = 0.0f;
 }
 
 // §8.1 scores of tile t (apa_emu/pass2.py p2_scores): S = chain over channels from C = +0, FP16
@@ -124,7 +124,7 @@ __device__ __forceinline__ void p2_mask(float (&x)[8][4], const WarpRows& wr, in
     }
 }
 
-// §8.2 frame (apa_emu/pass2.py p2_frame): m = max(m, the tile's row max), l4, O and (twice) p2s rescaled
+// §8.2 frame (apa_emu/pass2.py p2_frame): m = max(m, the tile's row max), l4, O and (twice) p4 rescaled
 // by a = exp2(m_old ⊖ m); ms: the shift of §8.3 (+0 while m = −inf).
 __device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4], float& ms_lo, float& ms_hi) {
     float mx_lo = st.m_lo, mx_hi = st.m_hi;
@@ -145,8 +145,8 @@ __device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4],
     ms_hi = (st.m_hi == neg_inf()) ? 0.0f : st.m_hi;
     st.l4_lo = fmul(st.l4_lo, a_lo);
     st.l4_hi = fmul(st.l4_hi, a_hi);
-    st.p2s_lo = fmul(fmul(st.p2s_lo, a_lo), a_lo);
-    st.p2s_hi = fmul(fmul(st.p2s_hi, a_hi), a_hi);
+    st.p4_lo = fmul(fmul(st.p4_lo, a_lo), a_lo);
+    st.p4_hi = fmul(fmul(st.p4_hi, a_hi), a_hi);
 #if APA_P2_F32
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
@@ -168,8 +168,9 @@ __device__ __forceinline__ void p2_frame(Pass2State& st, const float (&x)[8][4],
 #endif
 }
 
-// §8.3 probabilities (apa_emu/pass2.py p2_probs), §8.4 row sum (p2_row_sum: per t0, n-tiles in order)
-// and §8.5's P16 A fragments pa, in one pass over the n-tiles.
+// §8.3 probabilities (apa_emu/pass2.py p2_probs), §8.4 row sums of p and p² (p2_row_sum: per t0,
+// n-tiles in order; p² by fmas, 2 per pair where the §3.1 chain of P16 against itself took 8 MMAs per
+// tile: pass 2 −4.5 % fast, −7.5 % exact) and §8.5's P16 A fragments pa, in one pass over the n-tiles.
 __device__ __forceinline__ void p2_probs(Pass2State& st, const float (&x)[8][4], float ms_lo, float ms_hi,
                                          uint32_t (&pa)[4][4]) {
 #pragma unroll
@@ -180,6 +181,8 @@ __device__ __forceinline__ void p2_probs(Pass2State& st, const float (&x)[8][4],
         const float p3 = exp2x<exp2s_nonpos>(fsub(x[nt][3], ms_hi));
         st.l4_lo = fadd(st.l4_lo, fadd(p0, p1));
         st.l4_hi = fadd(st.l4_hi, fadd(p2, p3));
+        st.p4_lo = __fmaf_rn(p1, p1, __fmaf_rn(p0, p0, st.p4_lo));
+        st.p4_hi = __fmaf_rn(p3, p3, __fmaf_rn(p2, p2, st.p4_hi));
         pa[nt >> 1][(nt & 1) * 2 + 0] = f16x2(p0, p1);
         pa[nt >> 1][(nt & 1) * 2 + 1] = f16x2(p2, p3);
     }
@@ -208,23 +211,6 @@ __device__ __forceinline__ void p2_pv(Pass2State& st, const uint32_t (&pa)[4][4]
     }
 }
 
-// §8.5 t2 (apa_emu/pass2.py p2_self_sums): p2s ⊕= the chain of each row's P16 against itself over the
-// 4 k-steps from C = +0, binary32 accumulation: the A fragment's registers as B fragments, as pass 1's
-// p1_self_sums (pass1.cuh says why its diagonals are the rows' chains, and where they lie).
-__device__ __forceinline__ void p2_self_sums(Pass2State& st, const uint32_t (&pa)[4][4]) {
-    const int g = (threadIdx.x & 31) >> 2, src = 4 * g + (g >> 1);
-    // One accumulator for both rows' chains in turn, not two side by side: the latter made ptxas spill
-    // pass 2 (d = 128), this does not.
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][0], pa[kk][2]);
-    st.p2s_lo = fadd(st.p2s_lo, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[1] : acc[0], src));
-    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) mma_f32_acc(acc, pa[kk], pa[kk][1], pa[kk][3]);
-    st.p2s_hi = fadd(st.p2s_hi, __shfl_sync(0xFFFFFFFFu, (g & 1) ? acc[3] : acc[2], src));
-}
-
 // One hot tile of one warp (§8.1-8.5); FUSED: §8.1's x at the seed's FMA site (§1.8).
 template <bool FUSED>
 __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D / 16][4], const uint16_t* Ks,
@@ -238,7 +224,6 @@ __device__ __forceinline__ void p2_tile(Pass2State& st, const uint32_t (&qa)[D /
     uint32_t pa[4][4];
     p2_probs(st, x, ms_lo, ms_hi, pa);
     p2_pv(st, pa, Vs);
-    p2_self_sums(st, pa);
 }
 
 // o2 element of this lane: row half (0 lo, 1 hi), channel 8dn + 2t0 + e (§8.6: o2 = float(O)).
@@ -361,6 +346,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         q2[half] = quad_sum(q2[half]);
         f2[half] = quad_sum(f2[half]);
     }
+    const float p2_lo = quad_sum(st.p4_lo), p2_hi = quad_sum(st.p4_hi);  // §8.6 P2
     if (wr.t0 != 0) return;
     const unsigned int* kv = a.kvstat + bh * KV_STATS;
 #pragma unroll
@@ -368,7 +354,7 @@ __device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& ge
         if (!(half ? wr.v_hi : wr.v_lo)) continue;
         const int r = half ? wr.r_hi : wr.r_lo;
         const float* qs = a.qstat + (bh * geo.Rp_buf + r) * 3;
-        const float cq = a.cq[bh * geo.Rp_buf + r], m2 = half ? st.m_hi : st.m_lo, p2 = half ? st.p2s_hi : st.p2s_lo;
+        const float cq = a.cq[bh * geo.Rp_buf + r], m2 = half ? st.m_hi : st.m_lo, p2 = half ? p2_hi : p2_lo;
         const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, cq,
                           qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
                           __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),

@@ -45,7 +45,7 @@ def _weights(q, k, off, cfg, rows, hot):
 
 @pytest.mark.parametrize("cfg", [Config(), Config(exp2="fast", p_groups="interleaved")], ids=["default", "fast"])
 def test_square_sums_are_the_passes_squared_weights(cfg):
-    """§7.6/§7.8 ws1 and §8.5 P2 are Σ P̂² over the cold keys and Σ P16² over the hot ones, in the
+    """§7.6/§7.8 ws1 and §8.4 P2 are Σ P̂² over the cold keys and Σ p² over the hot ones, in the
     frames m1 and m2 (§7.9 and §8.2 rescale them by α² and a²). Against float64 weights 2^(σ − m):
     pass 2's FP16 scores keep P2 within 10 %: it is about the largest weight squared, and that score's
     FP16 chain (and its FP16-rounded centred keys) errs by up to about 0.06 in log2 units on these
