@@ -36,6 +36,17 @@ __device__ __forceinline__ float madd(float a, float b, float c, bool fused) {
     return d;
 #endif
 }
+// §8.4: fma(p, p, acc), the one binary32 fma the spec defines outside the seed's sites (numerics.md
+// §1.1: pass 2's Σp²); marked in the PTX as madd's are.
+__device__ __forceinline__ float fma_sq(float p, float acc) {
+#ifdef APA_SIM
+    return __fmaf_rn(p, p, acc);
+#else
+    float d;
+    asm("fma.rn.f32 %0, %1, %1, %2; // sq\n" : "=f"(d) : "f"(p), "f"(acc));
+    return d;
+#endif
+}
 // IEEE maxNum / minNum (numerics.md notation: max/min are exact).
 __device__ __forceinline__ float fmax_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float fmin_(float a, float b) { return fminf(a, b); }

@@ -181,8 +181,8 @@ __device__ __forceinline__ void p2_probs(Pass2State& st, const float (&x)[8][4],
         const float p3 = exp2x<exp2s_nonpos>(fsub(x[nt][3], ms_hi));
         st.l4_lo = fadd(st.l4_lo, fadd(p0, p1));
         st.l4_hi = fadd(st.l4_hi, fadd(p2, p3));
-        st.p4_lo = __fmaf_rn(p1, p1, __fmaf_rn(p0, p0, st.p4_lo));
-        st.p4_hi = __fmaf_rn(p3, p3, __fmaf_rn(p2, p2, st.p4_hi));
+        st.p4_lo = fma_sq(p1, fma_sq(p0, st.p4_lo));
+        st.p4_hi = fma_sq(p3, fma_sq(p2, st.p4_hi));
         pa[nt >> 1][(nt & 1) * 2 + 0] = f16x2(p0, p1);
         pa[nt >> 1][(nt & 1) * 2 + 1] = f16x2(p2, p3);
     }
@@ -275,9 +275,19 @@ constexpr int P2_SMEM_WORDS = P2_SLICES + WARPS;
 // without hot tiles: §9.5), stored to out, bound and est and, in trace builds, to the row records (§10).
 // Pass 1's ml and part are read with ld.global.cg (see pass2_cta). Hs: the warp's hot-mask words (nh of
 // §9.7); sh: the rows' shifts (§5.3).
-__device__ __forceinline__ void p2_merge_rows(const Pass2Args& a, const Geom& geo, const WarpRows& wr,
-                                              const Pass2State& st, const uint32_t* Hs, int b, int hk,
-                                              const float (&sh)[2]) {
+// The fast build compiles the merge apart from the tile loop: inlined, its registers (the estimate's
+// sums, the merge weights, the row records) pushed ptxas to spill inside the loop (60 B); out of line the
+// loop spills nothing and pass 2 runs 3.2 % faster (tools/bench_ab.py, H200, eighteenth session). The
+// exact build's loop, whose exp2s needs more registers, was 5.6 % slower so, and keeps it inline (as
+// does the simulator, to which inlining means nothing).
+#if APA_EXP2_FAST && !defined(APA_SIM)
+#define APA_P2_MERGE __noinline__
+#else
+#define APA_P2_MERGE __forceinline__
+#endif
+__device__ APA_P2_MERGE void p2_merge_rows(const Pass2Args& a, const Geom& geo, const WarpRows& wr,
+                                        const Pass2State& st, const uint32_t* Hs, int b, int hk,
+                                        const float (&sh)[2]) {
     constexpr int NDN = D / 8;
     const size_t bh = (size_t)b * geo.Hkv + hk;
     const float l2_lo = quad_sum(st.l4_lo);

@@ -119,7 +119,8 @@ def test_head_dims_are_those_the_sources_allow(d):
 def test_ptx_has_no_fma_ftz_or_approx(variant):
     """numerics.md §1.1–1.2: every binary32 operation is a single rounding without flush; the only
     fused operations are the binary16 fma of quant16 (§4.4, two per fma.rn.f16x2), the exact FMAs of the P' thresholds
-    (§7.5) and config fma's sites (§1.8, fpmath.cuh madd, marked in the PTX); the only flushing one is
+    (§7.5), config fma's sites (§1.8, fpmath.cuh madd, marked in the PTX) and pass 2's Σp² (§8.4,
+    fpmath.cuh fma_sq, marked, four per hot-tile step of 8 keys); the only flushing one is
     exp2s_nonpos's multiply, whose flush is §2 step 6 (fpmath.cuh fmul_step6, marked); MUFU only in the
     fast exp2 variant."""
     ptx = _ptx(variant)
@@ -129,8 +130,10 @@ def test_ptx_has_no_fma_ftz_or_approx(variant):
     # The binary32 FMAs besides madd's: formats.cuh e2m1_exp2s_scaled (§7.5), 7 saturated steps and 2
     # exact sums per call.
     madd = len(re.findall(r"^\s+fma\.rn\.f32 [^\n]*// madd$", ptx, flags=re.M))
-    plain = ops.count("fma.rn.f32") - madd
+    sq = len(re.findall(r"^\s+fma\.rn\.f32 [^\n]*// sq$", ptx, flags=re.M))
+    plain = ops.count("fma.rn.f32") - madd - sq
     assert madd > 0, "config fma's sites are missing"
+    assert sq > 0 and sq % 4 == 0, f"§8.4's Σp² fmas: {sq}"
     assert 7 * plain == 2 * ops.count("fma.rn.sat.f32"), "a binary32 FMA outside the P' thresholds and madd"
     step6 = len(re.findall(r"^\s+mul\.rn\.ftz\.f32 [^\n]*// step 6$", ptx, flags=re.M))
     assert {o for o in ops if ".ftz" in o} <= {"mul.rn.ftz.f32"}
