@@ -204,8 +204,10 @@ MUTANTS = [
            "        for r in range(ROWS):\n            st.ws[r] = st.ws[r] + t2[r]\n    else:\n"
            "        if not mode.budget:\n            p1_self_sums(mode.model, phat, rows.runs, t2)\n",
            ("tests/test_err_est.py",)),
-    Mutant("M38", "§8.2 p2s not rescaled at a frame move", "apa_emu/pass2.py",
-           "        p2s[r] = (p2s[r] * a) * a\n", "", ("tests/test_err_est.py",)),
+    Mutant("M38", "§8.2 p4 not rescaled at a frame move", "apa_emu/pass2.py",
+           "            p4[r, t0] = (p4[r, t0] * a) * a\n", "", ("tests/test_err_est.py",)),
+    Mutant("K33", "kernel §8.4: the pair's p² fmas in the other order", "cuda/pass2.cuh",
+           "st.p4_lo = fma_sq(p1, fma_sq(p0, st.p4_lo));", "st.p4_lo = fma_sq(p0, fma_sq(p1, st.p4_lo));", SIM),
     Mutant("M39", "§5.7 means of binary32 norms summed in key order", "apa_emu/prep.py",
            "    return exact_mean(_f16(norms), 1)",
            "    total = np.zeros(norms.shape[0], F32)\n    for s in range(norms.shape[1]):\n"
