@@ -36,8 +36,8 @@ __device__ __forceinline__ float madd(float a, float b, float c, bool fused) {
     return d;
 #endif
 }
-// §8.4: fma(p, p, acc), the one binary32 fma the spec defines outside the seed's sites (numerics.md
-// §1.1: pass 2's Σp²); marked in the PTX as madd's are.
+// §8.4: fma(p, p, acc), pass 2's Σp², the one rounding binary32 fma outside the seed's sites (numerics.md
+// §1.1); marked in the PTX as madd's are, for the audit of tests/test_gpu_build.py.
 __device__ __forceinline__ float fma_sq(float p, float acc) {
 #ifdef APA_SIM
     return __fmaf_rn(p, p, acc);
