@@ -132,6 +132,24 @@ def held_out(dumps: dict, coverage: float) -> dict:
     return out
 
 
+def iter_dumps(ap: argparse.ArgumentParser, paths, rows: str | None):
+    """Each dump of ``paths`` (the built-in one when empty) with its query rows from ``--rows a:b``
+    (None: all), as (path, dump, rows); a dump that cannot be read or a bad range ends in ``ap.error``."""
+    for path in paths or [builtin_dump_path()]:
+        try:
+            dump = read_dump(path)
+        except (DumpError, OSError) as e:
+            ap.error(f"{path}: {e}")
+        sel = None
+        if rows:
+            try:
+                a, b = (int(x) for x in rows.split(":"))
+            except ValueError:
+                ap.error(f"--rows {rows}: give a:b, two integers")
+            sel = np.arange(max(a, 0), min(b, dump.n))
+        yield Path(path), dump, sel
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dumps", nargs="*", type=Path, help="dump files (default: the built-in dump)")
@@ -156,15 +174,7 @@ def main(argv=None) -> int:
         ap.error(f"--try takes {len(GROUPS)} exponents: {', '.join(GROUPS)}")
     cfg = Config(eps=args.eps)
     dumps = {}
-    for path in args.dumps or [builtin_dump_path()]:
-        try:
-            dump = read_dump(path)
-        except (DumpError, OSError) as e:
-            ap.error(f"{path}: {e}")
-        rows = None
-        if args.rows:
-            a, b = (int(x) for x in args.rows.split(":"))
-            rows = np.arange(max(a, 0), min(b, dump.n))
+    for path, dump, rows in iter_dumps(ap, args.dumps, args.rows):
         t = time.time()
         scan = run_pairs(dump, cfg, Pairs.select(dump.n, dump.nh, rows), backend=args.backend,
                          workers=args.workers, trace=True)

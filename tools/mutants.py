@@ -228,6 +228,9 @@ MUTANTS = [
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
            ("tests/test_attribute_configs.py",)),
+    Mutant("S2", "target_knob: a flagged warp keeps the base run's errors", "tools/target_knob.py",
+           '    rel = np.where(fw[m["hk"], m["warp"]], a["rel"], b["rel"])', '    rel = b["rel"]',
+           ("tests/test_target_knob.py",)),
 ]
 
 
