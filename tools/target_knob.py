@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from apa_emu import Config  # noqa: E402
-from apa_emu.geometry import ROWS  # noqa: E402
+from apa_emu.geometry import warp_of  # noqa: E402
 from apa_emu.study.scan import Pairs, run_pairs  # noqa: E402
 from est_fit import iter_dumps  # noqa: E402  (tools/ is this script's directory)
 
@@ -47,12 +47,12 @@ def measure(dump, bases, backend: str, workers: int, rows=None) -> dict:
     """Per pair: the error and norms of each base run and of the all-hot run, err_est of each base; per
     warp: hot tiles of each run (the all-hot run's are the active tiles)."""
     pairs = Pairs.select(dump.n, dump.nh, rows)
-    G = dump.group
-    out = dict(hk=pairs.heads // G, warp=(pairs.rows * G + pairs.heads % G) // ROWS, runs={})
+    hk, warp = warp_of(pairs.rows, pairs.heads, dump.group)
+    out = dict(hk=hk, warp=warp, runs={})
     for name in ("all", *bases):
-        test, eps = ("mass", -1.0) if name == "all" else (name.split(":")[0], float(name.split(":")[1]))
+        test, _, eps = ("mass:-1" if name == "all" else name).partition(":")
         t = time.time()
-        scan = run_pairs(dump, Config(eps=eps, hot_test=test), pairs, backend=backend, workers=workers)
+        scan = run_pairs(dump, Config(eps=float(eps), hot_test=test), pairs, backend=backend, workers=workers)
         outn = np.linalg.norm(scan.out.astype(np.float64), axis=-1)
         out["runs"][name] = dict(rel=scan.rel.astype(np.float64), est=scan.est.astype(np.float64), outn=outn,
                                  hot=warp_hot(scan))
