@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_ab  # noqa: E402
+bench_ab = load_tool("bench_ab")
 
 
 def _export_head(dest: Path) -> Path:

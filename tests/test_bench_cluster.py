@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cluster import distributed  # noqa: F401 (Dask or a skip, and under CI Dask or a failure)
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_cluster  # noqa: E402
-from test_cluster import distributed  # noqa: E402, F401 (Dask or a skip, and under CI Dask or a failure)
+bench_cluster = load_tool("bench_cluster")
 
 
 def test_projection_counts_rounds_of_units():

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import bench_floors  # noqa: E402
+bench_floors = load_tool("bench_floors", "bench_ab")
 
 
 def test_every_variant_applies_and_edits_only_its_pass(tmp_path):

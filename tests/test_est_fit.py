@@ -4,18 +4,15 @@ median at the present constants are ``apa scan``'s, and a multiplier moves them 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from apa_emu import Config
 from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
+from tool_module import load_tool
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import est_fit  # noqa: E402
+est_fit = load_tool("est_fit")
 
 DUMP = synthetic(32, 2048, 2, 1, 64, seed=3)  # at ε = 0.05 about 0.7 of its tiles hot
 CFG = Config(eps=0.05)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seed's accuracy table (issue 12) on dumps, at ε = 0.005: hot share, min / mean cosine, pairs
+# The seed's accuracy table on dumps, at ε = 0.005: hot share, min / mean cosine, pairs
 # below 0.999 and 0.99, the error certificate's coverage and tightness (scan), the 20 worst pairs
 # with their diagnosis (worst), per-operand attribution over every pair (attribute) and the FP16
 # stages' headroom (headroom). Tables go to the terminal and to OUT_DIR/*.txt, plots to

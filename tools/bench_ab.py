@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 MODES = ("exact", "fast")
 SAVED = ("out", "hot", "bound", "est", "kvstat")
 

@@ -1,5 +1,4 @@
-"""A study on a Dask cluster against the same study in one process (issue 34), and what more GPUs
-would give.
+"""A study on a Dask cluster against the same study in one process, and what more GPUs would give.
 
 On ``--dumps`` synthetic dumps (``apa synth``'s generator, 24/8 heads, d = 128 by default, written to
 a temporary folder) it runs ``apa COMMAND`` in this process, end to end, twice: in one process and
@@ -22,7 +21,7 @@ It checks that the two JSON reports are equal field by field (exit 1 if not) and
   runner cuts them, ever shorter off the back of the queue), and the scheduler's per-task cost for
   every task on top (it serialises). Nothing is taken off for this process's units: on many GPUs it hides the start only.
 
-    python tools/bench_cluster.py                                   # the issue's study: 10 dumps, 2048 x 32768
+    python tools/bench_cluster.py                                   # the default study: 10 dumps, 2048 x 32768
     python tools/bench_cluster.py --out bench.md                    # and the table written to a file
     python tools/bench_cluster.py --dumps 3 --rows 64 --keys 2048 --heads 4 --kv-heads 2 --d 64 \\
         --backend cpu --cluster local:2                             # a quick run on the CPU
@@ -46,12 +45,10 @@ from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apa_emu.engines import CpuEngine  # noqa: E402
-from apa_emu.study import cli, cluster, engine  # noqa: E402
-from apa_emu.study.dump import write_dump  # noqa: E402
-from apa_emu.study.synth import synthetic  # noqa: E402
+from apa_emu.engines import CpuEngine
+from apa_emu.study import cli, cluster, engine
+from apa_emu.study.dump import write_dump
+from apa_emu.study.synth import synthetic
 
 PROJECTED = {"8 GPUs (1 host)": 8, "4 hosts x 8 GPUs": 32}
 
@@ -132,7 +129,7 @@ def _project(dumps: int, per_dump: int, unit_max: float, warm_up: float, cost: d
             + math.ceil(tasks / workers) * cost["round_trip_s"] + tasks * cost["per_task_s"])
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dumps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=2048, help="query rows per dump")
@@ -147,9 +144,12 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=1000, help="no-op tasks that measure the scheduler's cost")
     ap.add_argument("--reps", type=int, default=3, help="rounds of the three runs, in turn (wall times: medians)")
     ap.add_argument("--out", help="also write the markdown there")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    spec = cluster.parse(args.cluster)
+
+def _study_cost(args, spec: cluster.Spec) -> dict:
+    """_measure on ``--dumps`` synthetic dumps in a temporary folder, after one tiny study that loads
+    the engine in this process."""
     extra = {"attribute": ["--cpu-worst", "0"], "sweep": ["--eps", "0.001", "0.005", "0.02"]}.get(args.command, [])
     with tempfile.TemporaryDirectory(prefix="bench_cluster_") as tmp:
         for i in range(args.dumps):
@@ -159,7 +159,12 @@ def main() -> None:
         _apa([args.command, str(Path(tmp) / "d00.apadump"), *(["--rows", "0:16"] if args.command != "attribute" else []),
               *extra[:2], "--backend", args.backend])
         chosen = CpuEngine() if args.backend == "cpu" else engine.select_engine("gpu", [], [args.d])
-        cost = _measure(spec, chosen, args.tasks, study, args.cluster, args.reps)
+        return _measure(spec, chosen, args.tasks, study, args.cluster, args.reps)
+
+
+def _measures(args, cost: dict) -> tuple[dict, dict]:
+    """The table's rows from _measure's results (exit 1 where a cluster's report differs from the single
+    process's), and the per-worker times of the last cluster run."""
     single, clustered, runs = cost["single"], cost["clustered"], cost["runs"]
     single_s, cluster_s, cluster_end_s, running_s = (statistics.median(runs[k])
                                                      for k in ("single", "cluster", "cluster_end", "running"))
@@ -197,6 +202,14 @@ def main() -> None:
         **{f"projected, {name}, s": _project(args.dumps, args.kv_heads, unit_max, timing.get("warm_s", 0.0), cost, n)
            for name, n in PROJECTED.items()},
     }
+    return rows, per_worker
+
+
+def main() -> None:
+    args = _arguments()
+    spec = cluster.parse(args.cluster)
+    cost = _study_cost(args, spec)
+    rows, per_worker = _measures(args, cost)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (f"`{' '.join(['python tools/bench_cluster.py', *sys.argv[1:]])}`, {when}, {platform.node()} "
             f"({os.cpu_count()} CPUs, Python {platform.python_version()}); `apa {args.command}` over {args.dumps} "
@@ -205,10 +218,9 @@ def main() -> None:
     table = "\n".join([head, "", "| measure | value |", "|---|---:|",
                        *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows.items())])
     print(table)
-    print(json.dumps(dict(rows, per_worker=per_worker, runs=runs), indent=1))
+    print(json.dumps(dict(rows, per_worker=per_worker, runs=cost["runs"]), indent=1))
     if args.out:
         Path(args.out).write_text(table + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+import bench_ab  # a sibling: `python tools/bench_floors.py` puts tools/ first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
-import bench_ab  # noqa: E402
 
 _F16_OF_S = """{
 #pragma unroll

@@ -12,7 +12,7 @@ channel offsets, outliers), in the families of ``synth.FAMILIES`` (``--family``)
 
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
-    python tools/bench_gpu.py --keys 32768 65536 122880 --family real-like outlier-heavy --kernels   # issue 15's table
+    python tools/bench_gpu.py --keys 32768 65536 122880 --family real-like outlier-heavy --kernels   # per-kernel times
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
     python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
     python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --chunk 256   # a frozen chunk vs a fresh call
@@ -26,14 +26,13 @@ import itertools
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apa_emu.config import Config  # noqa: E402
-from apa_emu.study.synth import FAMILIES, synthetic_preset  # noqa: E402
-from apa_gpu.plan import SEGMENT_TILES  # noqa: E402
+from apa_emu.config import Config
+from apa_emu.study.synth import FAMILIES, synthetic_preset
+from apa_gpu.plan import SEGMENT_TILES
 
 
 L2_FLUSH_BYTES = 256 << 20  # more than the H200's 50 MB of L2
@@ -367,7 +366,7 @@ def _cudnn_runner(graph, pack):
 
 def bench_cudnn(q, k, v, scale, reps, window=None):
     """cuDNN's fused attention called directly through cudnn-frontend (`pygraph.sdpa`): bottom-right
-    causal, GQA, FP16 in and out, binary32 softmax; the yardstick of issue 15. Returns (ms, detail);
+    causal, GQA, FP16 in and out, binary32 softmax; the speed yardstick. Returns (ms, detail);
     its output is checked against torch SDPA (cuDNN backend) on the same inputs before timing."""
     import cudnn
     import cupy as cp
@@ -409,7 +408,8 @@ def causal_flops(n, S, H, d, q_offset, window=None) -> float:
     return 4.0 * d * H * float(seen.sum())
 
 
-def main(argv=None) -> int:
+def _arguments(argv) -> tuple[argparse.Namespace, Config]:
+    """The options, and the Config of every APA column (``--eps`` and ``--config``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--keys", type=int, nargs="*", default=[8192, 32768, 65536, 122880])
@@ -437,11 +437,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     try:
-        base_cfg = Config.from_overrides(args.config, Config(eps=args.eps))
+        return args, Config.from_overrides(args.config, Config(eps=args.eps))
     except ValueError as e:
         ap.error(str(e))
 
-    lines = [
+
+def _header(args) -> list[str]:
+    return [
         f"APA kernel vs torch SDPA: {args.rows} query rows, GQA 24/8, d = 128, eps = {args.eps}"
         f"{''.join(', ' + c for c in args.config)}, "
         f"synthetic llama-3.2-3b inputs (seed {args.seed}); medians of {args.reps} runs, ms",
@@ -453,105 +455,162 @@ def main(argv=None) -> int:
         "| fast+prep / cuDNN | APA fast+prep TFLOP/s | fast+prep / ((1+h)·cuDNN) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    print("\n".join(lines), flush=True)
-    windows, paged, chunked, bounded, kernels = [], [], [], [], []
-    for family, S in itertools.product(args.family, args.keys):
-        t0 = time.time()
-        dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed, **FAMILIES[family])
-        q, k, v = (np.ascontiguousarray(x) for x in (dump.q, dump.k, dump.v))
-        exact_cfg, fast_cfg = base_cfg, base_cfg.replace(exp2="fast")
-        prep, exact, share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps)
-        _, exact_f, _ = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, "fused")
-        _, fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps)
-        _, fast_f, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps, "fused")
-        sd = {"flash": (float("nan"), "skipped"), "cudnn": (float("nan"), "skipped")}
-        if not args.no_sdpa:
-            sd = bench_sdpa(q, k, v, args.reps)
-        fl = sd["flash"][0]
-        best_exact, best_fast = min(exact, exact_f), min(fast, fast_f)
-        scale = exact_cfg.softmax_scale(q.shape[2])
-        cu, cu_detail = (float("nan"), "skipped") if args.no_cudnn else bench_cudnn(q, k, v, scale, args.reps)
-        tf = causal_flops(q.shape[0], S, q.shape[1], q.shape[2], dump.q_offset) / 1e9  # GFLOP: / ms = TFLOP/s
-        line = (f"| {family} | {S} | {share:.4f} | {prep:.3f} | {exact:.3f} | {exact_f:.3f} | {fast:.3f} | {fast_f:.3f} | "
-                f"{fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} | {cu:.3f} | "
-                f"{tf / cu:.0f} | {(prep + best_exact) / cu:.2f} | {(prep + best_fast) / cu:.2f} | "
-                f"{tf / (prep + best_fast):.0f} | {(prep + best_fast) / ((1 + share) * cu):.2f} |")
-        lines.append(line)
-        print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]}; {cu_detail} -->",
-              flush=True)
-        if args.kernels:
-            for build, cfg in (("exact", exact_cfg), ("fast", fast_cfg)):
-                kt = kernel_times(q, k, v, dump.q_offset, cfg, args.reps)
-                kernels.append(f"| {family} | {S} | {build} | {sum(kt.values()):.3f} | "
-                               + ", ".join(f"{n.removeprefix('apa_')} {t:.3f}" for n, t in kt.items()) + " |")
-                print(kernels[-1], flush=True)
-        if family != args.family[0]:  # the comparisons below run on the first family
-            continue
-        if args.window:
-            w_prep, w_exact, w_share = bench_apa(q, k, v, dump.q_offset, exact_cfg, args.reps, window=args.window)
-            _, w_fast, _ = bench_apa(q, k, v, dump.q_offset, fast_cfg, args.reps, window=args.window)
-            w_cu = float("nan") if args.no_cudnn else bench_cudnn(q, k, v, scale, args.reps, window=args.window)[0]
-            windows.append(f"| {S} | {args.window} | {w_share:.4f} | {w_prep:.3f} | {w_exact:.3f} | {w_fast:.3f} | "
-                           f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
-                           f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
-            print(windows[-1], flush=True)
-        for seg in ([SEGMENT_TILES] if args.bounded == [] else args.bounded or []):
-            t_sep, t_b, (img_sep, rest_sep), (img_b, rest_b) = bench_bounded(q, k, v, dump.q_offset, exact_cfg,
-                                                                          args.reps, seg)
-            mb = 1 << 20
-            bounded.append(f"| {S} | {seg} | {share:.4f} | {t_sep:.3f} | {t_b:.3f} | {t_b / t_sep:.3f} | "
-                           f"{img_sep / mb:.2f} | {img_b / mb:.2f} | {rest_sep / mb:.2f} | {rest_b / mb:.2f} | "
-                           f"{2 * S * q.shape[2] * 2 / mb:.2f} |")
-            print(bounded[-1], flush=True)
-        if args.chunk:
-            t_frozen, t_fresh = bench_chunked(q, k, v, dump.q_offset, exact_cfg, args.reps, args.chunk)
-            chunked.append(f"| {S} | {args.chunk} | {t_frozen:.3f} | {t_fresh:.3f} | {t_fresh / t_frozen:.2f} |")
-            print(chunked[-1], flush=True)
-        if args.page_size:
-            (c_prep, c_attn, p_prep, p_attn), (kc, kp) = bench_paged(q, k, v, dump.q_offset, exact_cfg, args.reps,
-                                                                     args.page_size)
-            per_kernel = ", ".join(f"{n.removeprefix('apa_prep_')} {kc[n]:.3f}/{kp[n]:.3f}" for n in kc)
-            paged.append(f"| {S} | {args.page_size} | {c_prep:.3f} | {p_prep:.3f} | {c_attn:.3f} | {p_attn:.3f} | "
-                         f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} | {per_kernel} |")
-            print(paged[-1], flush=True)
-    if args.varlen:
-        spec = [tuple(int(x) for x in item.split(":")) for item in args.varlen]
-        row, detail = bench_varlen(spec, base_cfg, args.reps, args.seed, not args.no_cudnn)
-        lines += ["", "A varlen batch (bit-exact build, prep included, bitwise equal to its sequences launched "
-                  f"alone): {', '.join(args.varlen)} (rows:keys); {detail}", "",
-                  "| sequences | rows | keys | hot share | one launch | one by one | one by one / one launch "
-                  "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
-        print("\n".join(lines[-3:]), flush=True)
-    if kernels:
+
+
+class Problem(NamedTuple):
+    """One synthetic input of the main table, with the configs of its exact and fast columns."""
+
+    family: str
+    S: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    q_offset: int
+    exact_cfg: Config
+    fast_cfg: Config
+
+
+def _main_row(args, p: Problem, t0: float) -> tuple[str, dict]:
+    """The main table's row of one problem, printed with its details and the seconds since ``t0`` as a
+    comment; and the times the comparisons of the first family divide by."""
+    q, k, v, reps = p.q, p.k, p.v, args.reps
+    prep, exact, share = bench_apa(q, k, v, p.q_offset, p.exact_cfg, reps)
+    _, exact_f, _ = bench_apa(q, k, v, p.q_offset, p.exact_cfg, reps, "fused")
+    _, fast, _ = bench_apa(q, k, v, p.q_offset, p.fast_cfg, reps)
+    _, fast_f, _ = bench_apa(q, k, v, p.q_offset, p.fast_cfg, reps, "fused")
+    sd = {"flash": (float("nan"), "skipped"), "cudnn": (float("nan"), "skipped")}
+    if not args.no_sdpa:
+        sd = bench_sdpa(q, k, v, reps)
+    fl = sd["flash"][0]
+    best_exact, best_fast = min(exact, exact_f), min(fast, fast_f)
+    scale = p.exact_cfg.softmax_scale(q.shape[2])
+    cu, cu_detail = (float("nan"), "skipped") if args.no_cudnn else bench_cudnn(q, k, v, scale, reps)
+    tf = causal_flops(q.shape[0], p.S, q.shape[1], q.shape[2], p.q_offset) / 1e9  # GFLOP: / ms = TFLOP/s
+    line = (f"| {p.family} | {p.S} | {share:.4f} | {prep:.3f} | {exact:.3f} | {exact_f:.3f} | {fast:.3f} | "
+            f"{fast_f:.3f} | {fl:.3f} | {sd['cudnn'][0]:.3f} | {best_exact / fl:.2f} | {best_fast / fl:.2f} | "
+            f"{cu:.3f} | {tf / cu:.0f} | {(prep + best_exact) / cu:.2f} | {(prep + best_fast) / cu:.2f} | "
+            f"{tf / (prep + best_fast):.0f} | {(prep + best_fast) / ((1 + share) * cu):.2f} |")
+    print(line + f"   <!-- {time.time() - t0:.0f}s; sdpa {sd['flash'][1]}, {sd['cudnn'][1]}; {cu_detail} -->",
+          flush=True)
+    return line, dict(share=share, exact=exact, fast=fast, cu=cu, scale=scale)
+
+
+def _kernel_rows(args, p: Problem) -> list[str]:
+    """Each kernel launch's time, bit-exact and fast, one printed row each."""
+    rows = []
+    for build, cfg in (("exact", p.exact_cfg), ("fast", p.fast_cfg)):
+        kt = kernel_times(p.q, p.k, p.v, p.q_offset, cfg, args.reps)
+        rows.append(f"| {p.family} | {p.S} | {build} | {sum(kt.values()):.3f} | "
+                    + ", ".join(f"{n.removeprefix('apa_')} {t:.3f}" for n, t in kt.items()) + " |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _window_row(args, p: Problem, base: dict) -> str:
+    """The sliding window against full causal (``base``: _main_row's times), APA and cuDNN."""
+    w_prep, w_exact, w_share = bench_apa(p.q, p.k, p.v, p.q_offset, p.exact_cfg, args.reps, window=args.window)
+    _, w_fast, _ = bench_apa(p.q, p.k, p.v, p.q_offset, p.fast_cfg, args.reps, window=args.window)
+    w_cu = float("nan") if args.no_cudnn else bench_cudnn(p.q, p.k, p.v, base["scale"], args.reps,
+                                                          window=args.window)[0]
+    exact, fast, cu = base["exact"], base["fast"], base["cu"]
+    return (f"| {p.S} | {args.window} | {w_share:.4f} | {w_prep:.3f} | {w_exact:.3f} | {w_fast:.3f} | "
+            f"{exact:.3f} | {fast:.3f} | {w_exact / exact:.3f} | {w_fast / fast:.3f} | {w_cu:.3f} | "
+            f"{cu:.3f} | {w_cu / cu:.3f} | {(w_prep + w_fast) / w_cu:.2f} |")
+
+
+def _comparisons(args, p: Problem, base: dict, tables: dict) -> None:
+    """The first family's rows of the optional tables (window, bounded, chunked, paged), each printed and
+    added to its list in ``tables``."""
+    def add(name, row):
+        tables[name].append(row)
+        print(row, flush=True)
+
+    if args.window:
+        add("windows", _window_row(args, p, base))
+    for seg in ([SEGMENT_TILES] if args.bounded == [] else args.bounded or []):
+        t_sep, t_b, (img_sep, rest_sep), (img_b, rest_b) = bench_bounded(p.q, p.k, p.v, p.q_offset, p.exact_cfg,
+                                                                      args.reps, seg)
+        mb = 1 << 20
+        add("bounded", f"| {p.S} | {seg} | {base['share']:.4f} | {t_sep:.3f} | {t_b:.3f} | {t_b / t_sep:.3f} | "
+                       f"{img_sep / mb:.2f} | {img_b / mb:.2f} | {rest_sep / mb:.2f} | {rest_b / mb:.2f} | "
+                       f"{2 * p.S * p.q.shape[2] * 2 / mb:.2f} |")
+    if args.chunk:
+        t_frozen, t_fresh = bench_chunked(p.q, p.k, p.v, p.q_offset, p.exact_cfg, args.reps, args.chunk)
+        add("chunked", f"| {p.S} | {args.chunk} | {t_frozen:.3f} | {t_fresh:.3f} | {t_fresh / t_frozen:.2f} |")
+    if args.page_size:
+        (c_prep, c_attn, p_prep, p_attn), (kc, kp) = bench_paged(p.q, p.k, p.v, p.q_offset, p.exact_cfg, args.reps,
+                                                                 args.page_size)
+        per_kernel = ", ".join(f"{n.removeprefix('apa_prep_')} {kc[n]:.3f}/{kp[n]:.3f}" for n in kc)
+        add("paged", f"| {p.S} | {args.page_size} | {c_prep:.3f} | {p_prep:.3f} | {c_attn:.3f} | {p_attn:.3f} | "
+                     f"{(p_prep + p_attn) / (c_prep + c_attn):.3f} | {per_kernel} |")
+
+
+def _varlen_lines(args, base_cfg: Config) -> list[str]:
+    """The varlen batch's table, printed."""
+    spec = [tuple(int(x) for x in item.split(":")) for item in args.varlen]
+    row, detail = bench_varlen(spec, base_cfg, args.reps, args.seed, not args.no_cudnn)
+    lines = ["", "A varlen batch (bit-exact build, prep included, bitwise equal to its sequences launched "
+             f"alone): {', '.join(args.varlen)} (rows:keys); {detail}", "",
+             "| sequences | rows | keys | hot share | one launch | one by one | one by one / one launch "
+             "| TFLOP/s | cuDNN ragged | cuDNN TFLOP/s | APA / cuDNN |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", row]
+    print("\n".join(lines[-3:]), flush=True)
+    return lines
+
+
+def _sections(tables: dict) -> list[str]:
+    """The optional tables that have rows, each with its title and head."""
+    lines = []
+    if tables["kernels"]:
         lines += ["", "Each kernel launch of prep and attention (separate launches), ms:", "",
-                  "| family | keys | build | sum | launches |", "|---|---:|---|---:|---|", *kernels]
-    if bounded:
+                  "| family | keys | build | sum | launches |", "|---|---:|---|---:|---|", *tables["kernels"]]
+    if tables["bounded"]:
         lines += ["", "The bounded schedule (numerics.md §6.7) against the separate launches, bit-exact build, whole "
                   "runs (prep + attention), outputs bitwise equal; device memory the plan holds beyond the inputs, "
                   "MiB per KV head:", "",
                   "| keys | segment tiles | hot share | separate | bounded | bounded / separate | images separate "
                   "| images bounded | other separate | other bounded | K+V inputs |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *bounded]
-    if chunked:
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *tables["bounded"]]
+    if tables["chunked"]:
         lines += ["", "Chunked prefill (bit-exact build): the last rows as a frozen chunk of a KV state against the "
                   "same rows as a fresh call, whole apa_gpu.attention calls (host work, prep and attention):", "",
                   "| keys | chunk rows | frozen chunk | fresh call | fresh / frozen |", "|---:|---:|---:|---:|---:|",
-                  *chunked]
-    if paged:
+                  *tables["chunked"]]
+    if tables["paged"]:
         lines += ["", "Paged KV (shuffled pages) against the contiguous layout, bit-exact build, outputs bitwise "
                   "equal:", "", "| keys | page size | prep contiguous | prep paged | attn contiguous | attn paged "
                   "| (prep + attn) paged / contiguous | prep kernels, ms contiguous/paged |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|", *paged]
-    if windows:
+                  "|---:|---:|---:|---:|---:|---:|---:|---|", *tables["paged"]]
+    if tables["windows"]:
         lines += ["", "Sliding window against full causal, the same inputs (separate launches; attn after prep):", "",
                   "| keys | window | hot share | prep | attn exact | attn fast | causal exact | causal fast "
                   "| exact ratio | fast ratio | cuDNN window | cuDNN causal | cuDNN ratio | fast+prep / cuDNN window |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *windows]
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *tables["windows"]]
+    return lines
+
+
+def main(argv=None) -> int:
+    args, base_cfg = _arguments(argv)
+    lines = _header(args)
+    print("\n".join(lines), flush=True)
+    tables = {name: [] for name in ("windows", "paged", "chunked", "bounded", "kernels")}
+    for family, S in itertools.product(args.family, args.keys):
+        t0 = time.time()
+        dump = synthetic_preset("llama-3.2-3b", args.rows, S, seed=args.seed, **FAMILIES[family])
+        q, k, v = (np.ascontiguousarray(x) for x in (dump.q, dump.k, dump.v))
+        p = Problem(family, S, q, k, v, dump.q_offset, base_cfg, base_cfg.replace(exp2="fast"))
+        line, base = _main_row(args, p, t0)
+        lines.append(line)
+        if args.kernels:
+            tables["kernels"] += _kernel_rows(args, p)
+        if family == args.family[0]:  # the comparisons run on the first family
+            _comparisons(args, p, base, tables)
+    if args.varlen:
+        lines += _varlen_lines(args, base_cfg)
+    lines += _sections(tables)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

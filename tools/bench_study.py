@@ -1,4 +1,4 @@
-"""Time the ``apa`` studies on the GPU engine end to end (issue 10's targets), beside the CPU engine.
+"""Time the ``apa`` studies on the GPU engine end to end against their time targets, beside the CPU engine.
 
 On a synthetic Llama-3.2-3B-shaped dump (24/8 heads, d = 128, ``--rows`` × ``--keys``, default
 2048 × 122880, written to a temporary folder) it runs ``apa_emu.study.cli.main`` in this process,
@@ -6,7 +6,7 @@ tables to a file, each command end to end (read and check the dump, prep, kernel
 metrics, table, plot):
 
 * ``apa scan`` over every pair (target ≤ 10 s);
-* ``apa attribute`` over every pair with the 14 kernel variants (the issue's 13 and "none";
+* ``apa attribute`` over every pair with the 14 kernel variants (13 variants and "none";
   ``--cpu-worst 0`` leaves out the emulator-only MMA models) (target ≤ 60 s);
 * ``apa sweep`` over 6 ε values (target ≤ 30 s).
 
@@ -16,7 +16,7 @@ and twice as many warps (one core), the difference gives the cost of a warp and 
 cost of a KV head (prep), scaled to every warp of every KV head, times the number of configs. The
 same pairs run on the GPU engine as a self-check: outputs bitwise, cosines within 1e-12 (exit 1 if not).
 
-    python tools/bench_study.py                        # the issue's table, printed as markdown
+    python tools/bench_study.py                        # the default table, printed as markdown
     python tools/bench_study.py --out bench.md         # and written to a file
     python tools/bench_study.py --keys 32768 --rows 512 --cpu-warps 2   # a quicker run
 """
@@ -33,14 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apa_emu.config import Config  # noqa: E402
-from apa_emu.geometry import ROWS  # noqa: E402
-from apa_emu.study import cli, engine, scan  # noqa: E402
-from apa_emu.study.dump import read_dump, write_dump  # noqa: E402
-from apa_emu.study.synth import synthetic_preset  # noqa: E402
-from apa_gpu.engine import GpuEngine  # noqa: E402
+from apa_emu.config import Config
+from apa_emu.geometry import ROWS
+from apa_emu.study import cli, engine, scan
+from apa_emu.study.dump import read_dump, write_dump
+from apa_emu.study.synth import synthetic_preset
+from apa_gpu.engine import GpuEngine
 
 EPS = ("0.001", "0.002", "0.005", "0.01", "0.02", "0.05")
 

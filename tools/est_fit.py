@@ -1,4 +1,5 @@
-"""Can a refit of §9.8's constants meet issue 32's targets for ``err_est``? Per (row, head) pair, the
+"""Refit §9.8's constants of ``err_est`` on your dumps: which powers of two on its terms make the estimate
+cover the error on 99.9 % of the pairs with a median estimate/error of at most 3? Per (row, head) pair, the
 estimate's variance is a sum of terms, each a model of one error source (docs/numerics.md §9.8):
 
     (err_est / Z)² = Vc/Dn² + Vh/Dn² + F2,   Vc = w1²·ws1·((s1 + ρ)·X + evm²),
@@ -16,7 +17,7 @@ in four groups:
 
 F2, the final rounding's actual error, is not scaled. A multiplier set is feasible when err_est covers
 the error on at least ``--coverage`` of every dump's pairs; among those, the tool ranks by the largest
-of the dumps' median estimate/error (the issue asks ≤ 3), and checks each dump held out: fitted on the
+of the dumps' median estimate/error (the target: ≤ 3), and checks each dump held out: fitted on the
 others, how does it fare? Float64 throughout: a measurement, not a bit-exact path.
 
     python tools/est_fit.py                                        # the built-in dump, on the emulator
@@ -34,14 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apa_emu import Config  # noqa: E402
-from apa_emu.geometry import ROWS  # noqa: E402
-from apa_emu.merge import LN2, merge_weights, merge_y, ssq4  # noqa: E402
-from apa_emu.prep import prepare  # noqa: E402
-from apa_emu.study.dump import DumpError, builtin_dump_path, read_dump  # noqa: E402
-from apa_emu.study.scan import Pairs, run_pairs  # noqa: E402
+from apa_emu import Config
+from apa_emu.geometry import ROWS
+from apa_emu.merge import LN2, merge_weights, merge_y, ssq4
+from apa_emu.prep import prepare
+from apa_emu.study.dump import DumpError, builtin_dump_path, read_dump
+from apa_emu.study.scan import Pairs, run_pairs
 
 GROUPS = ("score1", "cold", "score2", "acc2")
 EXPONENTS = tuple(range(-3, 4))  # multipliers 2^-3 .. 2^3 per group
@@ -150,7 +149,8 @@ def iter_dumps(ap: argparse.ArgumentParser, paths, rows: str | None):
         yield Path(path), dump, sel
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[tuple[int, ...]]]:
+    """The parser, its arguments checked, and the ``--try`` multiplier sets as tuples of exponents."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dumps", nargs="*", type=Path, help="dump files (default: the built-in dump)")
     ap.add_argument("--backend", default="cpu", choices=("cpu", "gpu"))
@@ -172,7 +172,12 @@ def main(argv=None) -> int:
         ap.error("--try takes integers separated by commas")
     if any(len(t) != len(GROUPS) for t in tries):
         ap.error(f"--try takes {len(GROUPS)} exponents: {', '.join(GROUPS)}")
-    cfg = Config(eps=args.eps)
+    return ap, args, tries
+
+
+def measure(ap: argparse.ArgumentParser, args, cfg: Config) -> dict:
+    """Each dump's pair_terms by its file name, checked to give the engine's err_est back; the time
+    each took on stderr."""
     dumps = {}
     for path, dump, rows in iter_dumps(ap, args.dumps, args.rows):
         t = time.time()
@@ -185,14 +190,16 @@ def main(argv=None) -> int:
                              f"(largest relative difference {np.nanmax(rel):.2e})")
         dumps[path.name] = data
         print(f"{path.name}: {data['error'].size} pairs, {time.time() - t:.0f} s", file=sys.stderr)
-    ranked = search(dumps, args.coverage)
-    now = next(s for s in ranked if all(e == 0 for e in s["exponents"].values()))
-    asked = [next(s for s in ranked if tuple(s["exponents"].values()) == t) for t in tries]
-    best = [s for s in ranked if s["feasible"]][:5]
+    return dumps
+
+
+def report(args, names, now: dict, asked: list[dict], best: list[dict], ho: dict) -> list[str]:
+    """The markdown: the present constants, the asked and the best multiplier sets per dump, and each
+    dump held out."""
     lines = [f"eps = {args.eps}; coverage asked: {args.coverage}; multipliers 2^{EXPONENTS[0]}..2^{EXPONENTS[-1]}"
              f" on {', '.join(GROUPS)}", "",
-             "| multipliers (log2: " + ", ".join(GROUPS) + ") | " + " | ".join(dumps) + " |",
-             "|---|" + "---|" * len(dumps)]
+             "| multipliers (log2: " + ", ".join(GROUPS) + ") | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
     rows = [("now", now)] + [("asked", s) for s in asked] + [(f"best {i + 1}", s) for i, s in enumerate(best)]
     for label, s in rows:
         exps = ", ".join(str(e) for e in s["exponents"].values())
@@ -201,12 +208,22 @@ def main(argv=None) -> int:
     if not best:
         lines.append(f"| (no multiplier set covers {args.coverage} of every dump's pairs) | |")
     lines += ["", "(each cell: coverage, median estimate/error, pairs over 30x)"]
-    ho = held_out(dumps, args.coverage)
     if ho:
         lines += ["", "| held out | fitted multipliers (log2) | coverage | median | over 30x |", "|---|---|---:|---:|---:|"]
         lines += [f"| {n} | {', '.join(str(e) for e in h['exponents'].values())} | {h['coverage']:.4f} | "
                   f"{h['median']:.2f} | {h['over30']} |" for n, h in ho.items()]
-    print("\n".join(lines))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap, args, tries = parse_args(argv)
+    dumps = measure(ap, args, Config(eps=args.eps))
+    ranked = search(dumps, args.coverage)
+    now = next(s for s in ranked if all(e == 0 for e in s["exponents"].values()))
+    asked = [next(s for s in ranked if tuple(s["exponents"].values()) == t) for t in tries]
+    best = [s for s in ranked if s["feasible"]][:5]
+    ho = held_out(dumps, args.coverage)
+    print("\n".join(report(args, list(dumps), now, asked, best, ho)))
     if args.json is not None:
         args.json.write_text(json.dumps(dict(eps=args.eps, coverage=args.coverage, now=now, asked=asked, best=best,
                                              held_out=ho), indent=1))

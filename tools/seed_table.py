@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from apa_emu.config import SEED_TOGGLES, Config  # noqa: E402
-from apa_emu.study import scan  # noqa: E402
-from apa_emu.study.commands import sweep  # noqa: E402
-from apa_emu.study.dump import builtin_dump_path, read_dump  # noqa: E402
-from apa_emu.study.engine import select_engine  # noqa: E402
-from apa_emu.study.report import progress_bar  # noqa: E402
+from apa_emu.config import SEED_TOGGLES, Config
+from apa_emu.study import scan
+from apa_emu.study.commands import sweep
+from apa_emu.study.dump import builtin_dump_path, read_dump
+from apa_emu.study.engine import select_engine
+from apa_emu.study.report import progress_bar
 
 ROWS = {
     "ours (default)": {},

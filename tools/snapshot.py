@@ -17,10 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apa_emu import Config, KVState, attention  # noqa: E402
-from apa_emu.config import CHOICES  # noqa: E402
+from apa_emu import Config, KVState, attention
+from apa_emu.config import CHOICES
 
 FLIPS = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False, q_terms=1, delta=0.0, tau=0, scale=0.3,
              v_f16=True, fma=True, pad_vote=True, direct_store=True, eps=-1.0)
