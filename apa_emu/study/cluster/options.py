@@ -49,7 +49,7 @@ def on_devices(devices) -> Spec:
     return Spec(workers=len(devices), gpus=tuple(devices))
 
 
-def dask():
+def import_distributed():
     """Dask's ``distributed``, or an ImportError that says how to install it."""
     try:
         import distributed

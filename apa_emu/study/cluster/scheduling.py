@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from ..dump import read_dump
 from ..engine import run_unit
 from ..report import cfg_name
-from .options import Spec, dask
+from .options import Spec, import_distributed
 
 KEY = "apa-unit"
 TASKS_PER_WORKER = 2  # a task holds at most 1/(this x peers) of the units left: few round trips, a short tail
@@ -132,7 +132,7 @@ class _Units:
         client = self.runner.client
         self.threads = sum(client.nthreads().values())
         self.peers = len(client.nthreads()) + (self.runner.start is not None)
-        self.pending = dask().as_completed(loop=client.loop)
+        self.pending = import_distributed().as_completed(loop=client.loop)
         self._top_up()
 
     def _submit(self, group: list[int], retries: int) -> None:

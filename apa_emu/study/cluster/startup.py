@@ -20,7 +20,7 @@ import time
 from contextlib import ExitStack, contextmanager
 
 from ..engine import run_unit
-from .options import MISSING, Spec, dask, gpu_names
+from .options import MISSING, Spec, gpu_names, import_distributed
 from .scheduling import Runner
 
 CONNECT_TIMEOUT_S = 10  # an address where no scheduler answers is an error, not a wait
@@ -37,7 +37,7 @@ WORKER_ENVIRON = {"DASK_LOGGING__DISTRIBUTED": "critical"}
 def local(spec: Spec, engine):
     """A local cluster for ``spec`` (no address) and ``engine``: one worker per GPU where it runs on
     GPUs, else CPU workers."""
-    distributed = dask()
+    distributed = import_distributed()
     gpus = gpu_names(spec, engine)
     with _ctrl_c_ignored() as restore, _spawning(), _start_local(distributed, spec, gpus) as local:
         restore()
@@ -117,7 +117,7 @@ class Start(threading.Thread):
         try:
             # Dask imported here, off the main thread (half a second), and before dask.config.set, whose
             # exit would otherwise take the "distributed" settings that the import adds
-            distributed = dask()
+            distributed = import_distributed()
             # closed by the main thread: by callbacks, not the client's own `with`, whose state Dask
             # keeps per thread and which another thread could not leave
             with _spawning():
@@ -178,7 +178,7 @@ def cluster(spec: Spec, engine, warm=None, close_later: bool = False):
 
 def _connected(spec: Spec):
     """A client of the running scheduler at ``spec.address``, or a ValueError that says none answered."""
-    distributed = dask()
+    distributed = import_distributed()
     try:
         return distributed.Client(spec.address, timeout=CONNECT_TIMEOUT_S)
     except OSError:  # distributed's connect timeout is an OSError too
