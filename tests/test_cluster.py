@@ -1,4 +1,4 @@
-"""The studies' units on a Dask cluster (issue 34), against the same studies in one process: the
+"""The studies' units on a Dask cluster, against the same studies in one process: the
 JSON of scan, attribute --worst 5 and sweep field by field (metrics bitwise), a worker killed after
 its first unit with nothing lost or counted twice, a unit that fails twice named and its pairs alone
 left out, Ctrl-C leaving no worker, and the one-line errors of --cluster."""
@@ -23,6 +23,7 @@ import pytest
 from apa_emu import Config
 from apa_emu.engines import CpuEngine
 from apa_emu.study import cluster, scan
+from apa_emu.study.cluster import options, scheduling, startup
 from apa_emu.study.cli import main
 from apa_emu.study.dump import read_dump, write_dump
 from apa_emu.study.synth import synthetic
@@ -96,19 +97,19 @@ def test_cluster_local_starts_its_own_workers(capsys, dumps, single):
     assert here + on_workers == 4
     if on_workers:  # the cluster was up, its workers warm, before the units ran out here
         assert timing["start_s"] > 0 and timing["warm_s"] > 0
-    assert not cluster._CLOSING  # closed off the main thread while the report was written, and joined
+    assert not startup._CLOSING  # closed off the main thread while the report was written, and joined
 
 
 def test_this_process_runs_units_while_the_cluster_starts_and_the_workers_the_rest(capsys, dumps, single,
                                                                                    monkeypatch):
-    up = cluster.Runner._up
+    up = scheduling.Runner._up
 
     def up_after_two_units_here(self):  # the cluster awaited after 2 units here: both parts surely run
-        if self.start is not None and self.timing.get(cluster.HERE, {}).get("units", 0) >= 2:
+        if self.start is not None and self.timing.get(scheduling.HERE, {}).get("units", 0) >= 2:
             self.start.done.wait(120)
         return up(self)
 
-    monkeypatch.setattr(cluster.Runner, "_up", up_after_two_units_here)
+    monkeypatch.setattr(scheduling.Runner, "_up", up_after_two_units_here)
     # up after 2 units here, the workers' 4 threads take the other 2 at once: nothing is left here
     report, timing = without_timing(study(capsys, "scan", dumps, "--cluster", "local:2"))
     assert report == single["scan"]
@@ -120,15 +121,15 @@ def test_this_process_runs_units_while_the_cluster_starts_and_the_workers_the_re
 def up_first(monkeypatch):
     """A local cluster awaited before the study's first unit, and one task per worker thread: with 2
     workers they take units 3 and 2, and this process the first, after the cluster is up."""
-    up = cluster.Runner._up
+    up = scheduling.Runner._up
 
     def awaited(self):
         if self.start is not None:
             self.start.done.wait(120)
         return up(self)
 
-    monkeypatch.setattr(cluster.Runner, "_up", awaited)
-    monkeypatch.setattr(cluster, "IN_FLIGHT", 1)
+    monkeypatch.setattr(scheduling.Runner, "_up", awaited)
+    monkeypatch.setattr(scheduling, "IN_FLIGHT", 1)
 
 
 def test_this_process_stays_a_peer_of_the_warm_workers(capsys, dumps, single, up_first):
@@ -142,7 +143,7 @@ def test_this_process_stays_a_peer_of_the_warm_workers(capsys, dumps, single, up
 def tasks_of(dumps: tuple, peers: int) -> list[list[int]]:
     units, queue, tasks = [SimpleNamespace(dump=d) for d in dumps], deque(range(len(dumps))), []
     while queue:
-        tasks.append(cluster._next_task(units, queue, peers))
+        tasks.append(scheduling.next_task(units, queue, peers))
     return tasks
 
 
@@ -157,7 +158,7 @@ def test_tasks_are_cut_off_the_back_one_dump_each_ever_shorter():
 
 
 def test_no_cut_gives_a_dump_per_task(monkeypatch):
-    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", 0)
+    monkeypatch.setattr(scheduling, "TASKS_PER_WORKER", 0)
     assert tasks_of((0, 0, 0, 1, 1, 2), peers=3) == [[5], [3, 4], [0, 1, 2]]
 
 
@@ -169,7 +170,7 @@ class DieAfterFirstUnit(distributed.WorkerPlugin):
         self.marker = marker
 
     def transition(self, key, start, finish, **kwargs):
-        if finish != "memory" or not str(key).startswith(cluster.KEY):
+        if finish != "memory" or not str(key).startswith(scheduling.KEY):
             return
         try:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -188,7 +189,7 @@ def test_a_worker_killed_mid_study_loses_nothing(capsys, dumps, single, tmp_path
         report, timing = without_timing(study(capsys, "attribute", dumps, "--cluster", local.scheduler_address))
         client.wait_for_workers(2, timeout=30)
         after = set(client.scheduler_info()["workers"])
-    assert marker.read_text().startswith(cluster.KEY)  # a worker did die with a unit done
+    assert marker.read_text().startswith(scheduling.KEY)  # a worker did die with a unit done
     assert before - after  # and its process is gone, a new one in its place
     want = single["attribute"]
     for got, oracle in zip(report["per_dump"], want["per_dump"]):
@@ -214,13 +215,13 @@ class Broken(CpuEngine):
         return super().run(call, config, progress=progress)
 
 
-@pytest.mark.parametrize("per_worker", [cluster.TASKS_PER_WORKER, 0])  # 0: one task per dump, b's units together
+@pytest.mark.parametrize("per_worker", [scheduling.TASKS_PER_WORKER, 0])  # 0: one task per dump, b's units together
 def test_a_unit_failing_twice_is_named_and_the_rest_reported(capsys, dumps, single, scheduler, monkeypatch,
                                                              per_worker):
-    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", per_worker)
+    monkeypatch.setattr(scheduling, "TASKS_PER_WORKER", per_worker)
     jobs = [scan.Job.of(read_dump(p)) for p in dumps]
     with cluster.cluster(cluster.Spec(address=scheduler), Broken()) as runner:
-        scans = scan.scan_jobs(jobs, Config(), Broken())
+        scans = scan.scan_jobs(jobs, Config(), Broken(), where=runner)
     assert runner.failed == ["dump b.apadump, KV head 1, config default config: RuntimeError: planted failure"]
     assert sum(t["units"] for t in runner.timing.values()) == 3  # every other unit ran
     whole = scan.scan_jobs(jobs, Config(), CpuEngine())
@@ -264,12 +265,24 @@ class FailsOnce(CpuEngine):
         return super().run(call, config, progress=progress)
 
 
+def test_a_study_runs_its_units_only_where_it_is_told(dumps, scheduler):
+    """A cluster open around a study it is not handed takes none of its units: where they run is the
+    study's argument, nothing the block sets behind it."""
+    jobs = [scan.Job.of(read_dump(p)) for p in dumps]
+    with cluster.cluster(cluster.Spec(address=scheduler), CpuEngine()) as runner:
+        here = scan.scan_jobs(jobs, Config(), CpuEngine())
+        assert runner.timing == {}
+        there = scan.scan_jobs(jobs, Config(), CpuEngine(), where=runner)
+    assert sum(t["units"] for t in runner.timing.values()) == 4 and scheduling.HERE not in runner.timing
+    assert [s.out.tobytes() for s in here] == [s.out.tobytes() for s in there]
+
+
 def test_a_unit_failing_once_in_a_task_of_several_is_run_again_alone(dumps, scheduler, monkeypatch, tmp_path):
-    monkeypatch.setattr(cluster, "TASKS_PER_WORKER", 0)  # one task per dump: b's two units together
+    monkeypatch.setattr(scheduling, "TASKS_PER_WORKER", 0)  # one task per dump: b's two units together
     jobs = [scan.Job.of(read_dump(p)) for p in dumps]
     engine = FailsOnce(str(tmp_path / "failed"))
     with cluster.cluster(cluster.Spec(address=scheduler), engine) as runner:
-        scans = scan.scan_jobs(jobs, Config(), engine)
+        scans = scan.scan_jobs(jobs, Config(), engine, where=runner)
     assert (tmp_path / "failed").exists() and runner.failed == []
     assert sum(t["units"] for t in runner.timing.values()) == 4
     whole = scan.scan_jobs(jobs, Config(), CpuEngine())
@@ -291,13 +304,13 @@ class BrokenHere(Broken):
 def test_a_unit_failing_in_this_process_is_run_again_on_the_cluster(dumps, monkeypatch):
     """The cluster comes up only after this process has run all 4 units, the last of which raises: the
     runner then waits for the cluster, where that unit raises again and is named."""
-    start = cluster._Start.run
+    start = startup.Start.run
     monkeypatch.setattr(BrokenHere, "calls", 0)
-    monkeypatch.setattr(cluster._Start, "run", lambda self: BrokenHere.fourth.wait(120) and start(self))
+    monkeypatch.setattr(startup.Start, "run", lambda self: BrokenHere.fourth.wait(120) and start(self))
     jobs = [scan.Job.of(read_dump(p)) for p in dumps]
     with cluster.cluster(cluster.Spec(workers=2), BrokenHere()) as runner:
-        scan.scan_jobs(jobs, Config(), BrokenHere())
-    assert runner.timing[cluster.HERE]["units"] == 3 and not runner.timing.keys() - {cluster.HERE}
+        scan.scan_jobs(jobs, Config(), BrokenHere(), where=runner)
+    assert runner.timing[scheduling.HERE]["units"] == 3 and not runner.timing.keys() - {scheduling.HERE}
     assert runner.failed == ["dump b.apadump, KV head 1, config default config: RuntimeError: planted failure"]
 
 
@@ -318,7 +331,7 @@ def test_a_unit_failing_here_after_the_cluster_is_up_is_run_again_there(dumps, u
 
     def study():
         with cluster.cluster(cluster.Spec(workers=2), BrokenFirst()) as runner:
-            scan.scan_jobs(jobs, Config(), BrokenFirst())
+            scan.scan_jobs(jobs, Config(), BrokenFirst(), where=runner)
         got["runner"] = runner
 
     thread = threading.Thread(target=study, daemon=True)
@@ -389,7 +402,7 @@ def test_one_line_errors(capsys, dumps, monkeypatch):
     assert error("--cluster", "local", "--devices", "0") == ("apa: error: --devices is --cluster local on those GPUs: "
                                                              "give one of them\n")
     assert "leave --workers out" in error("--cluster", "local", "--workers", "2")
-    monkeypatch.setattr(cluster, "CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr(startup, "CONNECT_TIMEOUT_S", 1)
     assert error("--cluster", "tcp://127.0.0.1:1") == ("apa: error: --cluster tcp://127.0.0.1:1: no scheduler "
                                                        "answered within 1 s\n")
     monkeypatch.setitem(sys.modules, "distributed", None)
@@ -403,13 +416,13 @@ def test_devices_name_the_workers_gpus(monkeypatch):
         runtime=SimpleNamespace(getDeviceCount=lambda: 2))))
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    assert cluster._gpu_names(cluster.Spec(), OnGpus) == ["4", "6"]
-    assert cluster._gpu_names(cluster.Spec(workers=1), OnGpus) == ["4"]
-    assert cluster._gpu_names(cluster.on_devices((1, 0, 1)), OnGpus) == ["6", "4", "6"]
+    assert options.gpu_names(cluster.Spec(), OnGpus) == ["4", "6"]
+    assert options.gpu_names(cluster.Spec(workers=1), OnGpus) == ["4"]
+    assert options.gpu_names(cluster.on_devices((1, 0, 1)), OnGpus) == ["6", "4", "6"]
     with pytest.raises(ValueError, match="^--devices: GPU 2 is not there \\(2 visible\\)$"):
-        cluster._gpu_names(cluster.on_devices((2,)), OnGpus)
+        options.gpu_names(cluster.on_devices((2,)), OnGpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert cluster._gpu_names(cluster.Spec(), OnGpus) == ["0", "1"]
-    assert cluster._gpu_names(cluster.Spec(workers=3), CpuEngine()) == []
+    assert options.gpu_names(cluster.Spec(), OnGpus) == ["0", "1"]
+    assert options.gpu_names(cluster.Spec(workers=3), CpuEngine()) == []
     assert (cluster.parse("local"), cluster.parse("local:3"), cluster.parse("tcp://host:8786")) == (
         cluster.Spec(), cluster.Spec(workers=3), cluster.Spec(address="tcp://host:8786"))

@@ -47,6 +47,7 @@ from types import SimpleNamespace
 
 from apa_emu.engines import CpuEngine
 from apa_emu.study import cli, cluster, engine
+from apa_emu.study.cluster import scheduling
 from apa_emu.study.dump import write_dump
 from apa_emu.study.synth import synthetic
 
@@ -123,7 +124,7 @@ def _project(dumps: int, per_dump: int, unit_max: float, warm_up: float, cost: d
     units = [SimpleNamespace(dump=i // per_dump) for i in range(dumps * per_dump)]
     queue, tasks = deque(range(len(units))), 0
     while queue:  # as the runner cuts them, on a running cluster (no peer here)
-        cluster._next_task(units, queue, workers)
+        scheduling.next_task(units, queue, workers)
         tasks += 1
     return (cost["start_s"] + max(warm_up, 0.0) + math.ceil(len(units) / workers) * unit_max
             + math.ceil(tasks / workers) * cost["round_trip_s"] + tasks * cost["per_task_s"])

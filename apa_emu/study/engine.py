@@ -5,13 +5,12 @@ Every engine runs a study as units of one dump's KV head (a head's prep is all i
 numerics.md §5, so a unit is a whole problem of its own): the engine's call, then the float64
 reference and the per-pair sums of ``fp64`` where the engine keeps its arrays (``xp``: NumPy or
 CuPy). An exact engine's outputs and hot masks are bitwise the emulator's, so all engines give the
-same tables. The units run in this process, or on a Dask cluster (``units_on``, apa_emu.study.cluster).
+same tables. The units run in this process, or where a study is told to run them: a Dask cluster's
+runner (``run_units``'s ``where``, apa_emu.study.cluster).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import numpy as np
@@ -175,22 +174,6 @@ def _in_dump(records, hk: int):
     return records
 
 
-# Where run_units sends its units: None, this process; else a runner with run_units of the same
-# arguments (a Dask cluster's). A context rather than an argument, so the studies' functions, which
-# call run_units through scan.evaluate with only an engine, stay as they are.
-_RUNNER: ContextVar = ContextVar("units_runner", default=None)
-
-
-@contextmanager
-def units_on(runner):
-    """Every run_units inside the block runs its units through ``runner.run_units``."""
-    token = _RUNNER.set(runner)
-    try:
-        yield runner
-    finally:
-        _RUNNER.reset(token)
-
-
 class _Steps:
     """Per-call progress callbacks summed into one ``progress(done, total)`` over a whole study."""
 
@@ -204,13 +187,14 @@ class _Steps:
 
 
 def run_units(engine: Engine, dumps, units: list[Unit], configs, *, split=False, trace=False,
-              progress=None) -> list[list[UnitRun] | None]:
-    """Every unit under every config ([unit][config]), in the order of ``units`` wherever they run;
+              progress=None, where=None) -> list[list[UnitRun] | None]:
+    """Every unit under every config ([unit][config]), in the order of ``units`` wherever they run:
+    in this process, or through ``where.run_units`` (a cluster's Runner, apa_emu.study.cluster);
     None for a unit that failed twice on a cluster (its runner names it). ``dumps`` maps each unit's
     ``dump`` index to its Dump."""
     check_fits(engine, [dumps[i] for i in sorted({u.dump for u in units})])
-    if (runner := _RUNNER.get()) is not None:
-        return runner.run_units(engine, dumps, units, configs, split, trace, progress)
+    if where is not None:
+        return where.run_units(engine, dumps, units, configs, split, trace, progress)
     step = _Steps(progress, sum(len(configs) * engine.steps(len(u.warps)) for u in units)) if progress else None
     runs, current = [], None
     with engine.context():

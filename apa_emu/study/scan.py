@@ -21,7 +21,7 @@ from .fp64 import PairSums, cos_rel
 
 NONFINITE_SHOWN = 5  # non-finite pairs, and pairs whose certificate fails, named in a scan's report
 GOOD_COS = 0.999  # the tables count the pairs below this cosine
-WORST = 20  # how many of the worst pairs a ranking without the reference should find (issue 32's target)
+WORST = 20  # how many of the worst pairs a ranking without the reference should find (a target of docs/accuracy.md)
 OVER = 30  # an estimate this many times the error is too loose to rank by
 
 @dataclass
@@ -236,12 +236,14 @@ def _stat(fn, x) -> float:
     return float(fn(x)) if x.size else np.nan
 
 
-def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None) -> list[list[Scan]]:
-    """Each job's pairs under each config ([job][config]), one unit (dump, KV head) at a time. The
-    pairs of a unit that failed twice on a cluster are left out of its job's scans."""
+def evaluate(jobs: list[Job], configs, engine: Engine, *, split=False, trace=False, progress=None,
+             where=None) -> list[list[Scan]]:
+    """Each job's pairs under each config ([job][config]), one unit (dump, KV head) at a time, in this
+    process or ``where`` (a cluster's Runner: engine.run_units). The pairs of a unit that failed twice
+    on a cluster are left out of its job's scans."""
     units = [u for j, job in enumerate(jobs) for u in job.units(j)]
     runs = run_units(engine, {j: job.dump for j, job in enumerate(jobs)}, units, configs, split=split, trace=trace,
-                     progress=progress)
+                     progress=progress, where=where)
     scans = []
     for j, job in enumerate(jobs):
         job, parts = _ran(job, [(u, r) for u, r in zip(units, runs) if u.dump == j])
@@ -419,9 +421,10 @@ def engine_for(jobs: list[Job], configs, backend, workers) -> Engine:
     return select_engine(backend, configs, [job.dump.hd for job in jobs], workers=workers)
 
 
-def scan_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) -> list[Scan]:
-    """Every job's pairs under ``cfg``, split into hot and cold parts (pool them with Scan.pooled)."""
-    return [s for (s,) in evaluate(jobs, [cfg], engine, split=True, progress=progress)]
+def scan_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None, where=None) -> list[Scan]:
+    """Every job's pairs under ``cfg``, split into hot and cold parts (pool them with Scan.pooled); the
+    units run ``where`` (evaluate)."""
+    return [s for (s,) in evaluate(jobs, [cfg], engine, split=True, progress=progress, where=where)]
 
 
 def check_count(n: int) -> None:

@@ -143,39 +143,40 @@ def _pooled(tables: list[AttributeTable], column: str) -> dict[str, VariantScore
             for name, s in scores[0].items()}
 
 
-def _own_cosines(jobs: list[Job], cfg: Config, own_cfgs: list[Config], engine: Engine, worst, progress):
+def _own_cosines(jobs: list[Job], cfg: Config, own_cfgs: list[Config], engine: Engine, worst, progress, where):
     """The command's config on every pair of each job (its scans, the order of their pairs worst first,
     cut to ``worst``) and the cosines of the configs ``engine`` runs, in that order, per job."""
     if worst is None and cfg in own_cfgs:  # every pair: the command's own config is one of the variants
-        runs = evaluate(jobs, own_cfgs, engine, progress=progress)
+        runs = evaluate(jobs, own_cfgs, engine, progress=progress, where=where)
         bases = [r[own_cfgs.index(cfg)] for r in runs]
         orders = [b.order() for b in bases]
         return bases, orders, [[s.cos[o] for s in r] for r, o in zip(runs, orders)]
-    bases = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
+    bases = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress, where=where)]
     orders = [b.order()[:worst] for b in bases]
     sub = [Job(j.dump, b.pairs.take(o), j.name) for j, b, o in zip(jobs, bases, orders)]
-    return bases, orders, [[s.cos for s in r] for r in evaluate(sub, own_cfgs, engine, progress=progress)]
+    return bases, orders, [[s.cos for s in r] for r in evaluate(sub, own_cfgs, engine, progress=progress,
+                                                                   where=where)]
 
 
 def _emulate(scores: list[dict], jobs: list[Job], chosen: list[Pairs], emulated: dict, cpu_worst: int, workers: int,
-             progress) -> None:
+             progress, where) -> None:
     """Add to each job's ``scores`` the variants run on the CPU emulator, over its first ``cpu_worst``
     chosen pairs."""
     cpu = CpuEngine(workers)
     few = [Job(j.dump, p.take(slice(0, cpu_worst)), j.name) for j, p in zip(jobs, chosen)]
     cpu_cfgs = list(dict.fromkeys(emulated.values()))
-    for job_scores, runs in zip(scores, evaluate(few, cpu_cfgs, cpu, progress=progress)):
+    for job_scores, runs in zip(scores, evaluate(few, cpu_cfgs, cpu, progress=progress, where=where)):
         job_scores.update({key: VariantScore.of(cpu.name, runs[cpu_cfgs.index(c)].cos) for key, c in emulated.items()})
 
 
 def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int | None = None,
                    cpu_worst: int = CPU_WORST, variants=None, buckets: int = 8, workers: int = 1,
-                   progress=None, seed: bool = True) -> Attribution:
+                   progress=None, seed: bool = True, where=None) -> Attribution:
     """Each variant of ``variants`` (default ATTRIBUTE_VARIANTS, applied to ``cfg``) on every selected
     pair of each job, or on its ``worst`` lowest-cosine pairs under ``cfg``; under ``seed`` each variant
     also on the seed's arithmetic (numerics.md §12). The variants ``engine`` lacks (the emulator's MMA
     models and the seed's toggles, for the kernel) run on the CPU over the first ``cpu_worst`` of those
-    pairs (0: not at all). Equal configs run once."""
+    pairs (0: not at all). Equal configs run once. Every unit runs ``where`` (scan.evaluate)."""
     for n in (worst, cpu_worst or None):
         if n is not None:
             check_count(n)
@@ -184,12 +185,12 @@ def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int |
     own = {key: c for key, c in configs.items() if not any(engine.lacks(c, j.dump.hd) for j in jobs)}
     emulated = {key: c for key, c in configs.items() if key not in own and cpu_worst}
     own_cfgs = list(dict.fromkeys(own.values()))
-    bases, orders, cos = _own_cosines(jobs, cfg, own_cfgs, engine, worst, progress)
+    bases, orders, cos = _own_cosines(jobs, cfg, own_cfgs, engine, worst, progress, where)
     chosen = [b.pairs.take(o) for b, o in zip(bases, orders)]
     scores = [{key: VariantScore.of(engine.name, per_job[own_cfgs.index(c)]) for key, c in own.items()}
               for per_job in cos]
     if emulated:
-        _emulate(scores, jobs, chosen, emulated, cpu_worst, workers, progress)
+        _emulate(scores, jobs, chosen, emulated, cpu_worst, workers, progress, where)
     order = [name for name in changes if name in own or name in emulated]
     seeded = [name for name in changes if ("seed", name) in own or ("seed", name) in emulated]
     tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets),
@@ -275,9 +276,9 @@ _SEED_STATS = ["engine", "mean_cos", "min_cos"]  # the seed column of apa attrib
 
 
 def run(args) -> None:
-    jobs, cfg, engine, att = common.run_study(args, lambda jobs, cfg, engine, progress: attribute_jobs(
+    jobs, cfg, engine, att = common.run_study(args, lambda jobs, cfg, engine, progress, where: attribute_jobs(
         jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets, workers=args.workers,
-        progress=progress, seed=args.seed))
+        progress=progress, seed=args.seed, where=where))
     many = len(jobs) > 1
     scope = "every pair" if args.worst is None else f"the {args.worst} lowest-cosine pairs{' of each dump' * many}"
     slow = any(s.engine != engine.name for s in att.pooled.values())

@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> None:
-    jobs, cfg, engine, reports = common.run_study(args, lambda jobs, cfg, engine, progress: [
+    # where is None: chunked takes no --cluster (a chunked prefill is one call per chunk, in order)
+    jobs, cfg, engine, reports = common.run_study(args, lambda jobs, cfg, engine, progress, where: [
         chunked_study(job.dump, cfg, args.chunk, engine, progress=progress) for job in jobs])
     rows = []
     for job, r in zip(jobs, reports):

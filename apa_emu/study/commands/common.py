@@ -357,12 +357,12 @@ def _cluster_spec(args) -> cluster.Spec | None:
 
 
 def run_study(args, compute, *, pooled: bool = False, variants=None):
-    """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=...)`` run under a
-    progress bar, its units in this process or on the cluster of --cluster (its per-worker timing
-    then in ``args.timing``, for ``payload``, and the units that failed twice, whose pairs the
-    tables leave out, in ``args.failed``). ``pooled``: the command pools the pairs of all dumps,
-    which needs one head dim. ``variants(cfg)``: the configs the command runs besides cfg, which the
-    engine must implement too."""
+    """The jobs, the config, the engine and ``compute(jobs, cfg, engine, progress=..., where=...)`` run
+    under a progress bar, its units ``where``: None, in this process, or the Runner of the cluster of
+    --cluster (its per-worker timing then in ``args.timing``, for ``payload``, and the units that
+    failed twice, whose pairs the tables leave out, in ``args.failed``). ``pooled``: the command pools
+    the pairs of all dumps, which needs one head dim. ``variants(cfg)``: the configs the command runs
+    besides cfg, which the engine must implement too."""
     check_outputs(args, dump_paths(args))
     spec = _cluster_spec(args)
     jobs = _jobs(args)
@@ -373,10 +373,10 @@ def run_study(args, compute, *, pooled: bool = False, variants=None):
     label = f"{args.command} {jobs[0].name if len(jobs) == 1 else f'{len(jobs)} dumps'}"
     with progress(not args.json, label, chosen.wait) as prog:
         if spec is None:
-            return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog)
-        with cluster.cluster(spec, chosen, warm=(jobs[0].dump.hd, cfg), close_later=True) as runner:
-            result = compute(jobs, cfg, chosen, progress=prog)
-    args.timing, args.failed = runner.report(), runner.failed
+            return jobs, cfg, chosen, compute(jobs, cfg, chosen, progress=prog, where=None)
+        with cluster.cluster(spec, chosen, warm=(jobs[0].dump.hd, cfg), close_later=True) as where:
+            result = compute(jobs, cfg, chosen, progress=prog, where=where)
+    args.timing, args.failed = where.report(), where.failed
     return jobs, cfg, chosen, result
 
 

@@ -40,10 +40,11 @@ class Headroom:
         return asdict(self)
 
 
-def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None) -> list[Headroom]:
-    """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8)."""
+def headroom_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, progress=None, where=None) -> list[Headroom]:
+    """How close each job's pairs bring pass 2's FP16 scores and output to overflow (numerics.md §8);
+    the units run ``where`` (scan.evaluate)."""
     out = []
-    for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress)):
+    for job, (scan,) in zip(jobs, evaluate(jobs, [cfg], engine, progress=progress, where=where)):
         pairs, dump = scan.pairs, job.dump  # the scan's: a unit that failed on a cluster has none
         est = np.array([fp16_headroom(dump, r, h, pair_hot(dump, scan.result, r, h), cfg.softmax_scale(dump.hd))
                         for r, h in zip(pairs.rows.tolist(), pairs.heads.tolist())])

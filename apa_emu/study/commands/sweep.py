@@ -57,10 +57,11 @@ def sweep_configs(cfg: Config, eps_list, hot_tests=None) -> list[Config]:
 
 
 def sweep_jobs(jobs: list[Job], cfg: Config, eps_list, engine: Engine, *, hot_tests=None,
-               progress=None) -> tuple[list[list[SweepRow]], list[SweepRow]]:
+               progress=None, where=None) -> tuple[list[list[SweepRow]], list[SweepRow]]:
     """One row per (hot test, ε) for each job, in ``sweep_configs``'s order, and the rows of all jobs'
-    pairs pooled. The configs run as one evaluation: each unit's inputs are read once for all."""
-    runs = evaluate(jobs, sweep_configs(cfg, eps_list, hot_tests), engine, progress=progress)
+    pairs pooled. The configs run as one evaluation: each unit's inputs are read once for all, in this
+    process or ``where`` (scan.evaluate)."""
+    runs = evaluate(jobs, sweep_configs(cfg, eps_list, hot_tests), engine, progress=progress, where=where)
     return ([[SweepRow.of(s) for s in r] for r in runs],
             [SweepRow.of(Scan.pooled(list(per_eps))) for per_eps in zip(*runs)])
 
@@ -109,8 +110,8 @@ def run(args) -> None:
         Config(eps=eps)  # each ε is checked up front, before any run
     tests = list(dict.fromkeys(args.hot_tests or []))  # a test named twice runs once
     jobs, cfg, engine, (per_dump, pooled) = common.run_study(
-        args, lambda jobs, cfg, engine, progress: sweep_jobs(jobs, cfg, args.eps, engine, hot_tests=tests,
-                                                             progress=progress),
+        args, lambda jobs, cfg, engine, progress, where: sweep_jobs(jobs, cfg, args.eps, engine, hot_tests=tests,
+                                                                    progress=progress, where=where),
         pooled=True, variants=lambda cfg: sweep_configs(cfg, args.eps, tests))
     many, several = len(jobs) > 1, len(tests) > 1
     named = {job.name: rows for job, rows in zip(jobs, per_dump)} | ({"pooled": pooled} if many else {})

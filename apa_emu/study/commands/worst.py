@@ -31,11 +31,12 @@ EPILOG = common.study_epilog(_COLUMNS)
 
 
 def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *, by: str = "cos",
-               progress=None) -> tuple[list[Scan], list[tuple[int, PairDiagnostics]], int]:
+               progress=None, where=None) -> tuple[list[Scan], list[tuple[int, PairDiagnostics]], int]:
     """The ``n`` worst pairs over all jobs by ``by`` (``Scan.rank_key``; non-finite first), each with
-    its job's index, and how many of them are among the ``n`` lowest-cosine pairs."""
+    its job's index, and how many of them are among the ``n`` lowest-cosine pairs; every unit, the
+    traced ones too, runs ``where`` (scan.evaluate)."""
     check_count(n)
-    scans = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress)]
+    scans = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress, where=where)]
     owner = np.concatenate([np.full(len(s.pairs), j) for j, s in enumerate(scans)])
     local = np.concatenate([np.arange(len(s.pairs)) for s in scans])
     ranked = {b: np.argsort(np.concatenate([s.rank_key(b) for s in scans]), kind="stable")[:n] for b in {by, "cos"}}
@@ -44,7 +45,7 @@ def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *, by: str 
     sub = [Job(jobs[j].dump, scans[j].pairs.take(idx), jobs[j].name) for j, idx in picked.items()]
     # the diagnostics read §10's trace records: the emulator's, of an engine that returns none
     tracer = engine if "trace" in engine.features else CpuEngine()
-    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], tracer, trace=True))))
+    traced = dict(zip(picked, (s for (s,) in evaluate(sub, [cfg], tracer, trace=True, where=where))))
     return scans, [(int(owner[c]), pair_diagnostics(jobs[owner[c]].dump, scans[owner[c]], int(local[c]),
                                                     traced[owner[c]].result)) for c in chosen], \
         len(set(chosen.tolist()) & set(ranked["cos"].tolist()))
@@ -67,8 +68,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> None:
-    jobs, cfg, engine, (scans, diags, found) = common.run_study(args, lambda jobs, cfg, engine, progress: worst_jobs(
-        jobs, cfg, args.n, engine, by=args.by, progress=progress))
+    jobs, cfg, engine, (scans, diags, found) = common.run_study(
+        args, lambda jobs, cfg, engine, progress, where: worst_jobs(jobs, cfg, args.n, engine, by=args.by,
+                                                                    progress=progress, where=where))
     many = len(jobs) > 1
     records = [dict(dump=jobs[j].name, **d.to_json(), **_predicted(scans[j], d)) if many
                else dict(**d.to_json(), **_predicted(scans[j], d)) for j, d in diags]
