@@ -292,14 +292,17 @@ def _with_warps(call: Call, trace, warps) -> Call:
     call, b is the sequence and the warp one of the longest sequence's; then each sequence checks its
     share against its own warps)."""
     want = tr.TraceRequest.of(trace)
-    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
-        check_triples(name, triples, call.shape)
+    _check_warps(call.shape, warps, want)
     chosen = None if warps is None else frozenset(tr.integer_triples("warps", warps))
     call = replace(call, want=want, warps=chosen)
     for sub in filter(None, call.sequences()):
-        check_triples("warps", None if sub.warps is None else sorted(sub.warps), sub.shape)
-        check_triples("trace", None if sub.want is None else sub.want.warps, sub.shape)
+        _check_warps(sub.shape, None if sub.warps is None else sorted(sub.warps), sub.want)
     return call
+
+
+def _check_warps(shape: Shape, warps, want: tr.TraceRequest | None) -> None:
+    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
+        check_triples(name, triples, shape)
 
 
 def logical_kv(call: Call):

@@ -12,7 +12,7 @@ channel offsets, outliers), in the families of ``synth.FAMILIES`` (``--family``)
 
     python tools/bench_gpu.py                       # 2048 rows x 8192/32768/65536/122880 keys
     python tools/bench_gpu.py --keys 8192 --reps 5  # one size
-    python tools/bench_gpu.py --keys 32768 65536 122880 --family real-like outlier-heavy --kernels   # issue 15's table
+    python tools/bench_gpu.py --keys 32768 65536 122880 --family real-like outlier-heavy --kernels   # docs/benchmarks.md's table
     python tools/bench_gpu.py --keys 122880 --window 4096 --no-sdpa   # also a sliding window, vs causal
     python tools/bench_gpu.py --keys --varlen 2048:122880 512:8192 64:1024   # a varlen batch only
     python tools/bench_gpu.py --keys 122880 --no-sdpa --no-cudnn --chunk 256   # a frozen chunk vs a fresh call
@@ -368,7 +368,7 @@ def _cudnn_runner(graph, pack):
 
 def bench_cudnn(q, k, v, scale, reps, window=None):
     """cuDNN's fused attention called directly through cudnn-frontend (`pygraph.sdpa`): bottom-right
-    causal, GQA, FP16 in and out, binary32 softmax; the yardstick of issue 15. Returns (ms, detail);
+    causal, GQA, FP16 in and out, binary32 softmax; the yardstick of docs/benchmarks.md. Returns (ms, detail);
     its output is checked against torch SDPA (cuDNN backend) on the same inputs before timing."""
     import cudnn
     import cupy as cp

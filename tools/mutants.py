@@ -195,7 +195,7 @@ MUTANTS = [
            ("tests/test_spec_constants.py",)),
     Mutant("M35", "§9.7 C2 of an FP16 and a binary32 pass-2 output swapped", "apa_emu/constants.py",
            '{"f16": 2.0**-7, "f32": 2.0**-9,', '{"f16": 2.0**-9, "f32": 2.0**-7,', ("tests/test_spec_constants.py",)),
-    # issue 32's err_est (§9.8)
+    # the error estimate err_est (§9.8)
     Mutant("M36", "§7.9 ws rescaled by α once, not α²", "apa_emu/pass1.py",
            "st.ws[r] = (st.ws[r] * alpha) * alpha", "st.ws[r] = st.ws[r] * alpha", ("tests/test_err_est.py",) + SIM),
     Mutant("M37", "§7.8 ws also sums the hot tiles' P̂²", "apa_emu/pass1.py",
@@ -216,7 +216,7 @@ MUTANTS = [
     Mutant("M40", "§9.8 the final rounding's error F2 left out", "apa_emu/merge.py",
            "        est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)", "        est = k.z * np.sqrt((vc + vh) / (dn * dn))",
            ("tests/test_err_est.py",)),
-    # issue 32 item 3's budget hot test (§7.7)
+    # the budget hot test (§7.7)
     Mutant("M41", "§7.7 budget test: ws compared in frame m, not rescaled to c", "apa_emu/pass1.py",
            "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):",
            "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",

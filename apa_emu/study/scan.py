@@ -21,7 +21,7 @@ from .fp64 import PairSums, cos_rel
 
 NONFINITE_SHOWN = 5  # non-finite pairs, and pairs whose certificate fails, named in a scan's report
 GOOD_COS = 0.999  # the tables count the pairs below this cosine
-WORST = 20  # how many of the worst pairs a ranking without the reference should find (issue 32's target)
+WORST = 20  # how many of the worst pairs a ranking without the reference should find (docs/accuracy.md)
 OVER = 30  # an estimate this many times the error is too loose to rank by
 
 @dataclass
