@@ -23,10 +23,11 @@ def _numba_cache_dir() -> str:
 numba.config.CACHE_DIR = _numba_cache_dir()  # before the modules below decorate their cached functions
 
 from .api import attention  # noqa: E402
-from .call import NonFiniteOutput, Overflow, Result, validate  # noqa: E402
+from .call import validate  # noqa: E402
 from .config import Config  # noqa: E402
 from .kvstate import KVState  # noqa: E402
 from .metrics import pair_metrics, summarize  # noqa: E402
 from .reference import reference, reference_rows  # noqa: E402
+from .result import NonFiniteOutput, Overflow, Result  # noqa: E402
 
 __all__ = ["Config", "KVState", "NonFiniteOutput", "Overflow", "Result", "attention", "validate", "reference", "reference_rows", "pair_metrics", "summarize"]

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import trace as tr
 from . import kvstate, varlen
-from .call import Call, Result, logical_kv, resolve_call, resolve_config, run_checked
+from .call import Call, logical_kv, resolve_call, resolve_config
 from .kvstate import KVState
 from .config import Config
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
@@ -21,6 +21,7 @@ from .merge import budget_beta, certificate, estimate, merge_y
 from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
+from .result import Result, run_checked
 
 F32 = np.float32
 

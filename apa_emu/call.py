@@ -2,90 +2,51 @@
 
 ``resolve_call`` takes ``attention``'s arguments, on NumPy or device arrays, refuses every bad one
 with a ValueError naming it, and returns a typed ``Call``: the batched inputs, their ``Shape``, the
-checked pages (§5.0), the sequences of a varlen batch (§6.6), the KV state (§5.9) and what to trace
-(§10). An engine then only runs a Call (``apa_emu.api.run``, ``apa_gpu.api.run``), so the emulator
-and the kernel refuse the same inputs with the same message. The model is FlashAttention-3's
-``Arguments → to_underlying_arguments → Params``: the host arguments are lowered once.
+checked pages (§5.0), the sequences of a varlen batch (§6.6), each already a call of its own, the KV
+state (§5.9) and what to trace (§10). An engine then only runs a Call (``apa_emu.api.run``,
+``apa_gpu.api.run``), so the emulator and the kernel refuse the same inputs with the same message. The
+model is FlashAttention-3's ``Arguments → to_underlying_arguments → Params``: the host arguments are
+lowered once.
 
-This module is also apa_emu's declared contract with the engines outside it (apa_gpu, and later
-users' own kernels): its ``__all__`` is all they import from apa_emu, and the import-linter contracts
-in pyproject.toml hold apa_gpu to it (with the Engine interface of apa_emu/engines.py, which builds on
-this module). Besides the call, that is the Result an engine returns, the Config, the geometry, the
-prep statistics' layout, the KV state (§5.9), the varlen sequences (§6.6) and the trace records (§10).
+Engines outside apa_emu (apa_gpu, users' own kernels) import from apa_emu only its declared contract,
+held by the import-linter contracts in pyproject.toml: this module, whose ``__all__`` adds the
+vocabulary of a Call's fields (the Config, the geometry, the prep statistics' layout, the varlen
+sequences); ``apa_emu.result`` (the Result an engine returns); ``apa_emu.kvstate`` (§5.9) and
+``apa_emu.trace`` (§10) for the parts of a call they name; and the Engine interface of
+apa_emu/engines.py.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from . import kvstate, trace, varlen
 from . import trace as tr
+from . import varlen
 from .config import Config
 from .geometry import HEAD_DIMS, ROWS, TILE, Shape, cdiv
-from .kvstate import KVState, Stats
+from .kvstate import KVState
 from .paging import Pages, check_pages, gather
 from .prep import KV_STATS, slot_keys
 from .varlen import Seqs
 
 __all__ = [
-    "Call", "resolve_call", "resolve_config", "logical_kv", "validate", "Result",
-    "Config", "Shape", "HEAD_DIMS", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys",
-    "kvstate", "KVState", "Stats", "Seqs", "trace", "Overflow", "NonFiniteOutput", "run_checked",
+    "Call", "resolve_call", "resolve_config", "logical_kv", "validate",
+    "Config", "Shape", "ROWS", "TILE", "cdiv", "KV_STATS", "slot_keys", "Seqs",
 ]
 
 MAX_POSITION = 2**31 - 1  # positions are int32 in the kernel (cuda/common.cuh Geom)
 
 
 @dataclass(frozen=True)
-class Overflow:
-    """A computed (row, head) pair whose output is not finite: its index into ``out`` without the last
-    axis ((row, head), or (b, row, head) for a batched q) and the first stage of §10's row record that
-    went non-finite (``trace.overflow_stage``)."""
-
-    index: tuple[int, ...]
-    stage: str
-
-
-class NonFiniteOutput(RuntimeWarning):
-    """``attention`` returned pairs whose output is not finite (``Result.overflow`` lists them)."""
-
-
-@dataclass
-class Result:
-    """Output of one run. ``out`` has the shape of q; hot masks are per (b, hk, warp) (§10).
-    ``err_bound`` (binary32, the shape of ``out`` without its last axis) bounds ‖out − exact‖₂ of
-    each (row, head) (§9.7); ``err_est`` (the same shape) estimates it, about 2 standard deviations
-    (§9.8: at the default ε it covers the error on at least 99.9 % of the pairs measured, and overstates
-    it 2.5–7× at the median); rows not computed hold NaN in all three. ``overflow``: the computed pairs
-    whose output is not finite, each with the stage that made it so (``attention`` fills it and warns)."""
-
-    out: np.ndarray
-    err_bound: np.ndarray
-    hot: np.ndarray
-    active_tiles: int
-    hot_tiles: int
-    config: Config
-    visits: np.ndarray | None = None
-    rows: np.ndarray | None = None
-    meta: dict = field(default_factory=dict)
-    overflow: list[Overflow] = field(default_factory=list)
-    err_est: np.ndarray | None = None
-
-    @property
-    def hot_share(self) -> float:
-        return self.hot_tiles / self.active_tiles if self.active_tiles else 0.0
-
-
-@dataclass(frozen=True)
 class Call:
     """A checked call. ``q`` is [B, n, H, d]; ``k``, ``v`` are [B, S, Hkv, d], or the page pools
     [pages, page_size, Hkv, d] when ``pages`` is set; in a varlen call (``seqs``) all three are the
-    packed arrays [1, total, heads, d] and ``shape`` is the longest sequence's, B the sequences.
-    Arrays stay where the caller had them (NumPy or device)."""
+    packed arrays [1, total, heads, d], ``shape`` is the longest sequence's, B the sequences, and
+    ``parts`` holds each sequence as a checked call of its own (§6.6: bottom-right causal, its rows
+    and keys sliced from the packed arrays). Arrays stay where the caller had them (NumPy or device)."""
 
     q: Any
     k: Any
@@ -93,34 +54,29 @@ class Call:
     shape: Shape
     squeeze: bool = False
     pages: Pages | None = None
-    seqs: varlen.Seqs | None = None
+    seqs: Seqs | None = None
     kv_state: KVState | None = None
     want: tr.TraceRequest | None = None
     warps: frozenset | None = None
-    trace_spec: Any = None  # the trace= argument as given: a varlen call picks each sequence's share
+    parts: tuple[Call, ...] = ()
 
     def sequences(self) -> list[Call | None]:
-        """A varlen call as its sequences, each a bottom-right causal call of its own (§6.6) with its
-        share of ``warps`` and ``trace`` renumbered to b = 0; None for a sequence none of whose warps
-        is chosen."""
-        cq, ck, n, S = self.seqs.cq, self.seqs.ck, self.seqs.n, self.seqs.S
+        """A varlen call as its sequences, each with its share of ``warps`` and of the traced warps,
+        renumbered to b = 0; None for a sequence none of whose warps is chosen."""
         subs = []
-        for b in range(n.shape[0]):
-            warps = None if self.warps is None else [(0, hk, w) for bb, hk, w in sorted(self.warps) if bb == b]
-            if warps == []:
+        for b, part in enumerate(self.parts):
+            warps = _share(self.warps, b)
+            if warps == frozenset():
                 subs.append(None)
                 continue
-            q, k, v = self.q[0, cq[b]:cq[b + 1]], self.k[0, ck[b]:ck[b + 1]], self.v[0, ck[b]:ck[b + 1]]
-            subs.append(resolve_call(q, k, v, int(S[b] - n[b]), window=self.shape.window,
-                                     trace=_pick(self.trace_spec, b), warps=warps))
+            want = None if self.want is None else tr.TraceRequest(_share(self.want.warps, b))
+            subs.append(replace(part, want=want, warps=warps))
         return subs
 
 
-def _pick(spec, b: int):
-    """The (b, hk, warp) triples of sequence b, renumbered to b = 0."""
-    if spec is None or isinstance(spec, str) or spec is True or spec is False:
-        return spec
-    return [(0, hk, w) for bb, hk, w in (tuple(int(x) for x in t) for t in spec) if bb == b]
+def _share(triples, b: int) -> frozenset | None:
+    """The (b, hk, warp) triples of sequence b, renumbered to b = 0; None (every warp) stays None."""
+    return None if triples is None else frozenset((0, hk, w) for bb, hk, w in triples if bb == b)
 
 
 def _array_module(arrays):
@@ -224,21 +180,27 @@ def check_triples(name: str, triples, shape: Shape) -> None:
                              f"warp < {shape.nw})")
 
 
-def check_window(window, n: int, S: int, q_offset: int) -> int | None:
-    """``window=``: None (full causal) or W ≥ 1 keys, and every query row must keep a key (§6.1)."""
+def window_keys(window) -> int | None:
+    """``window=``: None (full causal) or W ≥ 1 keys (§6.1), as a Python int."""
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
         raise ValueError(f"window: expected a positive integer (keys per row) or None, got {window!r}")
-    # a Python int: a NumPy unsigned window would wrap around in the subtraction below
-    window, q_offset = int(window), int(q_offset)
+    window = int(window)  # a Python int: a NumPy unsigned window would wrap around in check_reach
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1 (the keys a row sees, its own position included)")
-    last = q_offset + n - 1
+    return window
+
+
+def check_reach(shape: Shape) -> None:
+    """Every query row of a windowed call must keep a key (§6.1)."""
+    window, n, S = shape.window, shape.n, shape.S
+    if window is None:
+        return
+    last = shape.q_offset + n - 1
     if last - window + 1 > S - 1:
         raise ValueError(f"window={window}: query row {n - 1} (position {last}) would see no key: its window "
                          f"starts at key {last - window + 1}, past the last key {S - 1}")
-    return window
 
 
 def check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps=None) -> None:
@@ -264,16 +226,19 @@ def _shape(qb, kb, q_offset) -> Shape:
 
 
 def _resolve_varlen(q, k, v, q_offset, window, block_table, seqlen_k, cu_seqlens_q, cu_seqlens_k, xp) -> Call:
-    """§6.6: the packed arrays, checked by their packed index; every sequence's rows keep a key."""
+    """§6.6: the packed arrays, checked by their packed index; every sequence's rows keep a key. Each
+    sequence becomes a call of its own here, on slices of the checked arrays."""
     seqs = varlen.check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table)
     qb, kb, vb, _ = validate(*(_host_view(x, xp) for x in (q, k, v)), 0)
     _no_seqlen_k(seqlen_k)
-    packed = _shape(qb, kb, 0)
-    for e in seqs.shapes(packed.H, packed.Hkv, packed.d, None):
-        check_window(window, e.n, e.S, e.q_offset)
-    shape = seqs.longest(packed.H, packed.Hkv, packed.d, None if window is None else int(window))
-    packed = (qb, kb, vb) if xp is np else (x[None] for x in (q, k, v))
-    return Call(*packed, shape, seqs=seqs)
+    each, longest = seqs.shapes(qb.shape[2], kb.shape[2], qb.shape[3], window_keys(window))
+    for shape in each:
+        check_reach(shape)
+    qp, kp, vp = (qb, kb, vb) if xp is np else (x[None] for x in (q, k, v))
+    cq, ck = seqs.cq, seqs.ck
+    parts = tuple(Call(qp[:, cq[b]:cq[b + 1]], kp[:, ck[b]:ck[b + 1]], vp[:, ck[b]:ck[b + 1]], shape, squeeze=True)
+                  for b, shape in enumerate(each))
+    return Call(qp, kp, vp, longest, seqs=seqs, parts=parts)
 
 
 def _resolve_paged(q, k, v, q_offset, block_table, seqlen_k, xp) -> Call:
@@ -312,24 +277,32 @@ def resolve_call(q, k, v, q_offset=0, *, window=None, block_table=None, seqlen_k
     xp = _array_module((q, k, v, block_table))
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         call = _resolve_varlen(q, k, v, q_offset, window, block_table, seqlen_k, cu_seqlens_q, cu_seqlens_k, xp)
-        return _with_warps(call, trace, warps, trace_spec=trace)
+        return _with_warps(call, trace, warps)
     if block_table is None:
         call = _resolve_dense(q, k, v, q_offset, seqlen_k, xp)
     else:
         call = _resolve_paged(q, k, v, q_offset, block_table, seqlen_k, xp)
-    s = call.shape
-    call = replace(call, shape=replace(s, window=check_window(window, s.n, s.S, s.q_offset)), kv_state=kv_state)
-    return _with_warps(call, trace, warps)
+    shape = replace(call.shape, window=window_keys(window))
+    check_reach(shape)
+    return _with_warps(replace(call, shape=shape, kv_state=kv_state), trace, warps)
 
 
-def _with_warps(call: Call, trace, warps, **fields) -> Call:
+def _with_warps(call: Call, trace, warps) -> Call:
     """The call with what to trace and which warps to run, each triple checked to exist (in a varlen
-    call, b is the sequence and the warp one of the longest sequence's; each sequence checks its own)."""
+    call, b is the sequence and the warp one of the longest sequence's; then each sequence checks its
+    share against its own warps)."""
     want = tr.TraceRequest.of(trace)
-    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
-        check_triples(name, triples, call.shape)
+    _check_warps(call.shape, warps, want)
     chosen = None if warps is None else frozenset(tr.integer_triples("warps", warps))
-    return replace(call, want=want, warps=chosen, **fields)
+    call = replace(call, want=want, warps=chosen)
+    for sub in filter(None, call.sequences()):
+        _check_warps(sub.shape, None if sub.warps is None else sorted(sub.warps), sub.want)
+    return call
+
+
+def _check_warps(shape: Shape, warps, want: tr.TraceRequest | None) -> None:
+    for name, triples in (("warps", warps), ("trace", None if want is None else want.warps)):
+        check_triples(name, triples, shape)
 
 
 def logical_kv(call: Call):
@@ -338,13 +311,6 @@ def logical_kv(call: Call):
     if call.pages is None:
         return call.k, call.v
     return (gather(x, call.pages).astype(np.float16, copy=False) for x in (call.k, call.v))
-
-
-def _nonfinite_pairs(res: Result) -> np.ndarray:
-    """Indices (into ``out`` without its last axis) of the computed pairs whose output is not finite:
-    rows not computed hold NaN in ``err_bound`` too, a computed non-finite one +inf (§9.7 step 11)."""
-    out = np.asarray(res.out)
-    return np.argwhere(~np.isfinite(out).all(axis=-1) & ~np.isnan(np.asarray(res.err_bound)))
 
 
 def owner(call: Call, index) -> tuple[tuple[int, int, int], int]:
@@ -359,29 +325,3 @@ def owner(call: Call, index) -> tuple[tuple[int, int, int], int]:
         b = lead[0] if lead else 0
     packed = row * G + head % G
     return (b, head // G, packed // ROWS), packed
-
-
-def run_checked(call: Call, run) -> Result:
-    """``run(call)``, an engine's Result of the call, with ``overflow`` filled and a NonFiniteOutput
-    warning when a computed pair's output is not finite. The stage comes from §10's row records, so
-    the warps holding such pairs run once more, traced, from the KV state as it was before the call
-    (its statistics and decision; the kernel's cached images are formed afresh, bitwise alike)."""
-    before = None if call.kv_state is None else replace(call.kv_state, history=list(call.kv_state.history),
-                                                        cache=None)
-    res = run(call)
-    bad = _nonfinite_pairs(res)
-    if not len(bad):
-        return res
-    owners = [owner(call, index) for index in bad]
-    triples = sorted({t for t, _ in owners})
-    # only those warps run, except in a chunk: the state's update needs every KV head's statistics
-    traced = run(replace(call, want=tr.TraceRequest(frozenset(triples)), trace_spec=triples, kv_state=before,
-                         warps=frozenset(triples) if before is None else None))
-    records = {(int(r["b"]), int(r["hk"]), int(r["row"])): r for r in traced.rows}
-    for index, ((b, hk, w), packed) in zip(bad, owners):
-        stage = tr.overflow_stage(records[b, hk, packed]) or "no stage of the row record (a planted bug?)"
-        res.overflow.append(Overflow(tuple(int(i) for i in index), stage))
-    first = res.overflow[0]
-    warnings.warn(f"{len(bad)} (row, head) pair(s) of the output are not finite; the first, {first.index}: "
-                  f"{first.stage} (Result.overflow lists each)", NonFiniteOutput, stacklevel=3)
-    return res

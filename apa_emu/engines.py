@@ -39,9 +39,10 @@ from importlib.metadata import EntryPoint, entry_points
 import numpy as np
 
 from . import api
-from .call import Call, Result
+from .call import Call
 from .config import Config
 from .geometry import HEAD_DIMS
+from .result import Result
 
 GROUP = "apa_emu.engines"
 FEATURES = frozenset({"window", "paging", "varlen", "kv_state", "trace", "warps"})
@@ -212,7 +213,6 @@ def call_arguments(call: Call) -> tuple[tuple, dict]:
     if call.seqs is not None:
         q, k, v = call.q[0], call.k[0], call.v[0]
         kw.update(cu_seqlens_q=call.seqs.cq, cu_seqlens_k=call.seqs.ck)
-        trace = call.trace_spec
         offset = 0
     else:
         q = call.q[0] if call.squeeze else call.q
@@ -220,8 +220,8 @@ def call_arguments(call: Call) -> tuple[tuple, dict]:
         k, v = (x if paged or not call.squeeze else x[0] for x in (call.k, call.v))
         if paged:
             kw.update(block_table=call.pages.table[0] if call.squeeze else call.pages.table, seqlen_k=call.pages.S)
-        trace = None if call.want is None else "all" if call.want.warps is None else sorted(call.want.warps)
         offset = s.q_offset
+    trace = None if call.want is None else "all" if call.want.warps is None else sorted(call.want.warps)
     kw.update(window=s.window, kv_state=call.kv_state, trace=trace,
               warps=None if call.warps is None else sorted(call.warps))
     return (q, k, v, offset), {key: value for key, value in kw.items() if value is not None}

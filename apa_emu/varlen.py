@@ -4,8 +4,8 @@ cu_seqlens as FlashAttention and cuDNN take them.
 Sequence b is an independent problem (its own prep statistics, geometry and warps) on rows
 cu_seqlens_q[b] .. cu_seqlens_q[b+1] − 1 of q and keys cu_seqlens_k[b] .. cu_seqlens_k[b+1] − 1 of k and
 v, bottom-right causal (q_offset = S_b − n_b). ``check`` refuses bad calls for both sides; the emulator
-runs a call's sequences one by one (apa_emu/call.py ``Call.sequences``) and ``pack`` packs their
-results (the kernel runs the whole batch in one launch instead).
+runs a call's sequences one by one (apa_emu/call.py ``Call.sequences``, built as the call is resolved)
+and ``pack`` packs their results (the kernel runs the whole batch in one launch instead).
 """
 
 from __future__ import annotations
@@ -51,16 +51,14 @@ class Seqs(NamedTuple):
     def S(self) -> np.ndarray:
         return np.diff(self.ck)
 
-    def longest(self, H: int, Hkv: int, d: int, window) -> Shape:
-        """The longest sequence's rows and keys, as one Shape of B = the sequences: what sizes the
-        kernel's per-(b, hk) buffers in one launch (apa_gpu.plan.Plan)."""
-        n, S = int(self.n.max()), int(self.S.max())
-        return Shape(B=len(self.n), n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=S - n, window=window)
-
-    def shapes(self, H: int, Hkv: int, d: int, window) -> list[Shape]:
-        """Each sequence's Shape (§6.6: bottom-right causal)."""
-        return [Shape(B=1, n=int(n), H=H, Hkv=Hkv, S=int(S), d=d, q_offset=int(S - n), window=window)
+    def shapes(self, H: int, Hkv: int, d: int, window) -> tuple[list[Shape], Shape]:
+        """Each sequence's Shape (§6.6: bottom-right causal), and the longest sequence's rows and keys
+        as one Shape of B = the sequences: what sizes the kernel's per-(b, hk) buffers in one launch
+        (apa_gpu.plan.Plan)."""
+        each = [Shape(B=1, n=int(n), H=H, Hkv=Hkv, S=int(S), d=d, q_offset=int(S - n), window=window)
                 for n, S in zip(self.n, self.S)]
+        n, S = max(e.n for e in each), max(e.S for e in each)
+        return each, Shape(B=len(each), n=n, H=H, Hkv=Hkv, S=S, d=d, q_offset=S - n, window=window)
 
 
 def check(q, k, v, q_offset, cu_seqlens_q, cu_seqlens_k, block_table=None) -> Seqs:

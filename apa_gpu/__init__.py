@@ -5,7 +5,8 @@
 GPU and nvcc, or under ``APA_GPU_BACKEND=sim`` the CPU simulator (apa_gpu/device.py). The kernel
 sources are ``cuda/``; ``python -m apa_gpu.build`` compiles every variant into the cache. The studies
 and ``apa check`` run it as the engine "gpu" (apa_gpu/engine.py). Of apa_emu, this package imports
-only its declared contract, ``apa_emu.call``.
+only its declared contract (pyproject.toml's import-linter contracts): ``apa_emu.call``,
+``apa_emu.result``, ``apa_emu.kvstate``, ``apa_emu.trace`` and the Engine interface.
 """
 
 from apa_emu.call import Config, Shape

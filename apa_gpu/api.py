@@ -7,8 +7,10 @@ import os
 
 import numpy as np
 
-from apa_emu.call import (KV_STATS, TILE, Call, Config, KVState, Result, Shape, cdiv, kvstate, resolve_call,
-                          resolve_config, run_checked, slot_keys)
+from apa_emu import kvstate
+from apa_emu.call import KV_STATS, TILE, Call, Config, Shape, cdiv, resolve_call, resolve_config, slot_keys
+from apa_emu.kvstate import KVState
+from apa_emu.result import Result, run_checked
 
 from . import device
 from .plan import KVImages, Plan, check_config

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from apa_emu import trace as tr
 from apa_emu.call import KV_STATS, TILE
-from apa_emu.call import trace as tr
 
 KV_MEANS = KV_STATS[KV_STATS.index("km"):]  # §5.7's means, kvstat's last columns, each summed per tile
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from apa_emu.call import ROWS, TILE, Config, Seqs, Shape, Stats, cdiv
-from apa_emu.call import trace as tr
+from apa_emu import trace as tr
+from apa_emu.call import ROWS, TILE, Config, Seqs, Shape, cdiv
+from apa_emu.kvstate import Stats
 
 from . import device
 from .build import SUPPORTED_D, Variant
@@ -133,7 +134,7 @@ class Plan:
         # The hot words and the state's images are strided by the state's room (S_buf), or by S.
         S_buf = images.tiles * TILE if images is not None else 0
         self.hot = xp.zeros((B, Hkv, s.nw, cdiv(S_buf // TILE or s.ntiles, 32)), np.uint32)
-        self.entries = None if seqs is None else seqs.shapes(s.H, s.Hkv, d, s.window)
+        self.entries = None if seqs is None else seqs.shapes(s.H, s.Hkv, d, s.window)[0]
         rows = (B, s.n) if seqs is None else (int(seqs.cq[-1]),)  # varlen: packed [total_q, ...]
         self.out = xp.empty((*rows, s.H, d), np.uint16)
         self.bound = xp.empty((*rows, s.H), np.float32)

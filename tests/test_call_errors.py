@@ -1,5 +1,5 @@
 """The call contract's refusals (apa_emu/call.py): every bad argument of ``attention`` is one
-ValueError naming it, the same through the emulator and the kernel's launcher (issue 31)."""
+ValueError naming it, the same through the emulator and the kernel's launcher."""
 
 from __future__ import annotations
 

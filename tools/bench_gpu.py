@@ -203,12 +203,13 @@ def bench_varlen(spec, cfg, reps, seed, cudnn_too):
     _, H, d = q.shape
     Hkv = k.shape[1]
     qd, kd, vd = (cp.asarray(x)[None] for x in (q, k, v))
-    one = Plan(seqs.longest(H, Hkv, d, None), cfg, seqs=seqs)
+    each_shape, longest = seqs.shapes(H, Hkv, d, None)
+    one = Plan(longest, cfg, seqs=seqs)
     t_one = _time(lambda: (one.prep(qd, kd, vd), one.attend(qd)), reps)
     one.run(qd, kd, vd)
     share = int(np.unpackbits(one.hot.get().view(np.uint8)).sum()) / one.active_tiles()
     alone = []
-    for e, (q0, q1), (k0, k1) in zip(seqs.shapes(H, Hkv, d, None), zip(seqs.cq, seqs.cq[1:]), zip(seqs.ck, seqs.ck[1:])):
+    for e, (q0, q1), (k0, k1) in zip(each_shape, zip(seqs.cq, seqs.cq[1:]), zip(seqs.ck, seqs.ck[1:])):
         alone.append((Plan(e, cfg), *(cp.ascontiguousarray(x) for x in (qd[:, q0:q1], kd[:, k0:k1], vd[:, k0:k1]))))
 
     def each():

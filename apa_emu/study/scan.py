@@ -10,7 +10,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..call import Result
+from ..result import Result
 from ..config import Config
 from ..geometry import ROWS, TILE, Shape, warp_of
 from ..metrics import Summary, cosine_histogram
