@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 
@@ -291,8 +291,9 @@ def test_fma_site_probes_on_simulator(tmp_path):
     """tests/test_gpu_fma_sites.py (marked gpu) on the simulator: the probes of §7.4's and §9.3–9.4's FMA
     sites, which whole problems seldom expose, run in CI too."""
     env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_fma_sites.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/kernel/test_gpu_fma_sites.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1800)
     assert r.returncode == 0 and re.search(r"^3 passed", r.stdout, re.M), r.stdout + r.stderr
 
 
@@ -302,7 +303,7 @@ def test_quant16_probe_on_simulator(tmp_path):
     quantizer, not only the device."""
     env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    code = "import test_gpu_formats as t\nfor lsq in (True, False): t.check_quant16(4000, lsq)\nprint('ok')"
+    code = "from helpers import check_quant16\nfor lsq in (True, False): check_quant16(4000, lsq)\nprint('ok')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 

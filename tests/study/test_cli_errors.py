@@ -28,7 +28,7 @@ from apa_emu.study.synth import synthetic
 from apa_emu.trace import VISIT_FIELDS, row_dtype
 
 pytest.importorskip("rich")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _strict(text: str):

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from test_study_engine import assert_same_scans
+from helpers import assert_same_scans
 
 from apa_emu import Config, reference_rows
 from apa_emu.study import engine, fp64, scan

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_cluster  # noqa: E402
-from test_cluster import distributed  # noqa: E402, F401 (Dask or a skip, and under CI Dask or a failure)
+from helpers import dask_distributed  # noqa: E402
+
+dask_distributed()  # Dask or a skip, and under CI Dask or a failure
 
 
 def test_projection_counts_rounds_of_units():

@@ -14,7 +14,7 @@ from apa_emu import Config
 from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import est_fit  # noqa: E402
 
 DUMP = synthetic(32, 2048, 2, 1, 64, seed=3)  # at ε = 0.05 about 0.7 of its tiles hot
