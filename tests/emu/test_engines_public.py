@@ -1,4 +1,4 @@
-"""The public engine interface (docs/engines.md) on two engines a user would write (tests/user_engines):
+"""The public engine interface (docs/engines.md) on two engines a user would write (tests/emu/user_engines):
 the emulator with one rounding changed, which ``apa check`` must catch bitwise and localise where the
 changed rounding bites (found here independently, from two emulator runs), and a PyTorch fake-quant
 attention, reported in tolerance with where it departs from APA (in a problem that has cold tiles).

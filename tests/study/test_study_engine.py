@@ -1,9 +1,9 @@
-"""The study engines without a GPU (issue 10): the choice of engine and its one-line messages, the
+"""The study engines without a GPU: the choice of engine and its one-line messages, the
 blocked float64 reference and per-pair sums against apa_emu's oracle, the certificate a scan carries
 and reports (a planted violation included), every study command on several dumps and on a folder,
 and the GPU engine's own code (units, hot masks of the chosen warps, the memory check, apa check)
-with NumPy standing in for CuPy and the emulator for the kernel. tests/test_gpu_study.py runs the
-same on the device; tests/test_cluster.py runs the units on Dask."""
+with NumPy standing in for CuPy and the emulator for the kernel. tests/study/test_gpu_study.py runs
+the same on the device; tests/study/test_cluster.py runs the units on Dask."""
 
 from __future__ import annotations
 
