@@ -1,5 +1,5 @@
 """An engine against the emulator: the first divergence of two Results, reproducer files and their
-replay (``apa check``, ``python -m apa_gpu.replay``, tests/test_gpu_kernel.py); and ``check``, any
+replay (``apa check``, ``python -m apa_gpu.replay``, tests/kernel/test_gpu_kernel.py); and ``check``, any
 engine (docs/engines.md) against the emulator on one problem, bitwise or in tolerance, which ``apa
 check --engine`` and the pytest plugin (apa_emu.testing) share.
 

@@ -9,7 +9,7 @@ integer. Conversions to binary16 are done arithmetically on binary64
 support.
 
 Error of ``exp2s`` against f32 of the float64 exp2 (numerics.md §2.1), measured by
-``tests/test_fpmath.py`` (the [−1, 1] row by its ``slow`` test):
+``tests/emu/test_fpmath.py`` (the [−1, 1] row by its ``slow`` test):
 
 ===============================================  =========  ===================================
 inputs                                           max error  not correctly rounded

@@ -62,7 +62,7 @@ FLAGS = (
     "-lineinfo",
 )
 
-# The head dims the kernel implements (cuda/common.cuh refuses any other APA_D; tests/test_gpu_build.py
+# The head dims the kernel implements (cuda/common.cuh refuses any other APA_D; tests/kernel/test_gpu_build.py
 # checks the two agree), a subset of the spec's apa_emu.geometry.HEAD_DIMS.
 SUPPORTED_D = (64, 128, 256)
 BACKENDS = ("cuda", "sim")

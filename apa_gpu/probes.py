@@ -1,5 +1,5 @@
 """Single-instruction and single-primitive kernels of cuda/probe.cu, run on the selected backend for
-the tests (tests/test_gpu_mma.py, tests/test_gpu_formats.py)."""
+the tests (tests/kernel/test_gpu_mma.py, tests/kernel/test_gpu_formats.py)."""
 
 from __future__ import annotations
 

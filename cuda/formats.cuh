@@ -33,7 +33,7 @@ __device__ __forceinline__ uint32_t e2m1_grid_x2(uint32_t x) {
 
 // e2m1(exp2s(y)) ⊗ sc from y alone (numerics.md §7.5, "thresholds"): exp2s splits the binary32 line
 // at seven points, exp2s(y) crosses the k-th E2M1 midpoint exactly when y > T_k (verified over every
-// binary32 y in [-2.5, 3] and by range outside it: tests/test_thresholds.py). So no exp2 per element.
+// binary32 y in [-2.5, 3] and by range outside it: tests/kernel/test_thresholds.py). So no exp2 per element.
 #define APA_E2M1_EXP2S_T0 0xC0000000u
 #define APA_E2M1_EXP2S_T1 0xBED47FCFu
 #define APA_E2M1_EXP2S_T2 0x3EA4D3C5u

@@ -25,7 +25,7 @@ __device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b)
 __device__ __forceinline__ float fdiv(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ float fsqrt(float a) { return __fsqrt_rn(a); }  // correctly rounded
 // §1.8: a ⊗ b ⊕ c, or at the seed's FMA sites under config fma (`fused`) one rounding of a·b + c.
-// The PTX comment marks these FMAs for the audit of tests/test_gpu_build.py.
+// The PTX comment marks these FMAs for the audit of tests/kernel/test_gpu_build.py.
 __device__ __forceinline__ float madd(float a, float b, float c, bool fused) {
     if (!fused) return fadd(fmul(a, b), c);
 #ifdef APA_SIM
@@ -37,7 +37,7 @@ __device__ __forceinline__ float madd(float a, float b, float c, bool fused) {
 #endif
 }
 // §8.4: fma(p, p, acc), pass 2's Σp², the one rounding binary32 fma outside the seed's sites (numerics.md
-// §1.1); marked in the PTX as madd's are, for the audit of tests/test_gpu_build.py.
+// §1.1); marked in the PTX as madd's are, for the audit of tests/kernel/test_gpu_build.py.
 __device__ __forceinline__ float fma_sq(float p, float acc) {
 #ifdef APA_SIM
     return __fmaf_rn(p, p, acc);
@@ -114,7 +114,7 @@ __device__ __forceinline__ float exp2s_core(float x) {
 }
 
 // §2 step 6 on a product: a ⊗ b, a subnormal result flushed to a zero of its sign (the kernel's one
-// flushing instruction, marked in the PTX for the audit of tests/test_gpu_build.py; a subnormal input,
+// flushing instruction, marked in the PTX for the audit of tests/kernel/test_gpu_build.py; a subnormal input,
 // which exp2s_nonpos never passes, would be flushed too).
 __device__ __forceinline__ float fmul_step6(float a, float b) {
 #ifdef APA_SIM
@@ -166,7 +166,7 @@ __device__ __forceinline__ float exp2x(float x) {
 }
 
 // LG2[mi] = f32(log2(1 + mi/8)), mi = 0..8 (numerics.md §2.2): float64 log2 rounded once to
-// binary32 (tests/test_gpu_formats.py compares this table with the emulator's).
+// binary32 (tests/kernel/test_gpu_formats.py compares this table with the emulator's).
 __device__ __forceinline__ float lg2_table(int mi) {
     switch (mi) {
         case 0: return f32_from_bits(0x00000000u);

@@ -97,7 +97,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // (128 bytes), 8-row groups 1024 bytes apart, 16-byte chunk c of row r stored at chunk c ^ (r & 7),
 // every further 64 channels in a block of its own after all rows. A k16 step starts 32 bytes
 // further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1). On the
-// H200 scale-d = 0 equals C = +0 (mma_models.md §3; tests/test_gpu_mma.py test_wgmma_scale_d_zero),
+// H200 scale-d = 0 equals C = +0 (mma_models.md §3; tests/kernel/test_gpu_mma.py test_wgmma_scale_d_zero),
 // but the kernels do not use it: without the moves that zero C, ptxas serializes pass 1's wgmma
 // (C7515; docs/benchmarks.md, issue 15's mainloop experiments).
 // ---------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
 // acc += A.B over one k16 step with FP16 accumulation (one RNE to binary16 per step, as mma_f16_acc),
 // A from registers (mma.sync's A fragment), B (64 keys) from an image; acc[nt] is mma_f16_acc's C
 // fragment of n-tile nt (rows g and g + 8 of the warp, as packed pairs). The probe of pass 2's FP16
-// chains on wgmma (tests/test_gpu_mma.py test_wgmma_f16_accumulation_is_the_mma_step: the same step as
+// chains on wgmma (tests/kernel/test_gpu_mma.py test_wgmma_f16_accumulation_is_the_mma_step: the same step as
 // mma.sync's on the H200). Pass 2 does not use it: its scores on it, every warp of a slice joining each
 // tile of the slice's union, measured 7-17 % slower (docs/benchmarks.md).
 __device__ __forceinline__ void wgmma_rs_f16_n64(uint32_t (&acc)[8][2], const uint32_t (&a)[4], WgOperand b) {

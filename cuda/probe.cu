@@ -1,5 +1,5 @@
 // probe.cu: single-instruction and single-primitive kernels for the GPU tests
-// (tests/test_gpu_mma.py, tests/test_gpu_formats.py): the m16n8k16 MMAs of the sm90 model and wgmma's
+// (tests/kernel/test_gpu_mma.py, tests/kernel/test_gpu_formats.py): the m16n8k16 MMAs of the sm90 model and wgmma's
 // scale-d = 0
 // (numerics.md §3.1; research/mma_models.md §8) and the arithmetic primitives of fpmath.cuh and
 // formats.cuh, so that each can be compared bitwise with the emulator in isolation; and two of the

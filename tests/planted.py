@@ -1,6 +1,6 @@
 """A copy of cuda/ with one kernel mutant of tools/mutants.py planted, and ``apa check`` run on it in
 a subprocess (its backend and sources settings leave the test process's alone). Shared by the CI
-test on the simulator (tests/test_gpu_sim.py) and the device test (tests/test_gpu_study.py)."""
+test on the simulator (tests/kernel/test_gpu_sim.py) and the device test (tests/study/test_gpu_study.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_check.sh            # full: build, apa check, primitives, MMA probes, kernel vs emulator, real data
 #   QUICK=1 bash tools/gpu_check.sh    # smaller: fewer examples and MMA tiles, no 32k-key problem
-#   GPU_TESTS=tests/test_gpu_mma.py PYTEST_K=probe bash tools/gpu_check.sh   # a subset
+#   GPU_TESTS=tests/kernel/test_gpu_mma.py PYTEST_K=probe bash tools/gpu_check.sh   # a subset
 #   APA_GPU_BACKEND=sim QUICK=1 bash tools/gpu_check.sh   # the same on the CPU simulator, without a GPU
 #                                                         # (tests marked hardware are skipped there)
 #
@@ -33,7 +33,7 @@ else
   export APA_GPU_EXAMPLES="${APA_GPU_EXAMPLES:-40}" APA_GPU_MMA_TILES="${APA_GPU_MMA_TILES:-100000}"
   KSEL="${PYTEST_K:-}"
 fi
-GPU_TESTS="${GPU_TESTS:-tests/test_gpu_params.py tests/test_gpu_formats.py tests/test_gpu_mma.py tests/test_gpu_fma_sites.py tests/test_gpu_kernel.py}"
+GPU_TESTS="${GPU_TESTS:-tests/kernel/test_gpu_params.py tests/kernel/test_gpu_formats.py tests/kernel/test_gpu_mma.py tests/kernel/test_gpu_fma_sites.py tests/kernel/test_gpu_kernel.py}"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-ALG = ("tests/test_algorithm.py", "tests/test_gpu_sim.py", "tests/test_cli.py")
-FMT = ("tests/test_formats.py", "tests/test_fpmath.py", "tests/test_thresholds.py")
-SIM = ("tests/test_gpu_sim.py", "tests/test_thresholds.py")
+ALG = ("tests/emu/test_algorithm.py", "tests/kernel/test_gpu_sim.py", "tests/study/test_cli.py")
+FMT = ("tests/emu/test_formats.py", "tests/emu/test_fpmath.py", "tests/kernel/test_thresholds.py")
+SIM = ("tests/kernel/test_gpu_sim.py", "tests/kernel/test_thresholds.py")
 # One rounding of the fma sites seldom reaches a whole problem's output bits: the probes on chosen operands.
-FMA_PROBES = ("tests/test_gpu_sim.py::test_fma_site_probes_on_simulator",)
+FMA_PROBES = ("tests/kernel/test_gpu_sim.py::test_fma_site_probes_on_simulator",)
 
 
 class Mutant(NamedTuple):
@@ -86,9 +86,9 @@ MUTANTS = [
     Mutant("M20", "sm120 row-sum ones with scale 0x30", "apa_emu/pass1.py",
            "np.uint8(2), np.uint8(0x38)", "np.uint8(2), np.uint8(0x30)"),
     Mutant("M21", "certificate without the hidden E2M1 mass 4·AD", "apa_emu/merge.py",
-           "(lcu * F32(0.25) + (ad * F32(4)) * (ONE + a1))", "(lcu * F32(0.25))", ("tests/test_certificate.py",)),
+           "(lcu * F32(0.25) + (ad * F32(4)) * (ONE + a1))", "(lcu * F32(0.25))", ("tests/emu/test_certificate.py",)),
     Mutant("M22", "certificate: pass 2's FP16 score chain bound (d/16)·2⁻²⁰", "apa_emu/constants.py",
-           "F32(d // 16 * (2.0**-11 + 2.0**-20))", "F32(d // 16 * 2.0**-20)", ("tests/test_certificate.py",)),
+           "F32(d // 16 * (2.0**-11 + 2.0**-20))", "F32(d // 16 * 2.0**-20)", ("tests/emu/test_certificate.py",)),
     Mutant("K1", "kernel P' threshold T3 + 1 ulp", "cuda/formats.cuh",
            "#define APA_E2M1_EXP2S_T3 0x3F4EAECEu", "#define APA_E2M1_EXP2S_T3 0x3F4EAECFu", SIM),
     Mutant("K2", "kernel hot test > → >=", "cuda/pass1.cuh",
@@ -106,41 +106,41 @@ MUTANTS = [
            "        r.ad = fmul(r.ad, alpha);\n", "", SIM),
     Mutant("M23", "window: the first visible key one late in pass 2", "apa_emu/pass2.py",
            "if rows.lo[r] <= k0 + j <= rows.lim[r]:", "if rows.lo[r] < k0 + j <= rows.lim[r]:",
-           ("tests/test_window.py",)),
+           ("tests/emu/test_window.py",)),
     Mutant("M24", "output hot test: lv not rescaled when the frame moves", "apa_emu/pass1.py",
-           "            st.lv[r] = st.lv[r] * alpha\n", "", ("tests/test_hot_test.py",)),
+           "            st.lv[r] = st.lv[r] * alpha\n", "", ("tests/emu/test_hot_test.py",)),
     Mutant("K9", "kernel output hot test: ν in the even columns of the row-sum MMA", "cuda/pass1.cuh",
            "a.output && (wr.g & 1);", "a.output && !(wr.g & 1);", SIM),
     Mutant("M25", "paged KV: a hole reads its page-0 row instead of zeros", "apa_emu/paging.py",
-           "    out[page < 0] = 0\n", "", ("tests/test_paging.py",)),
+           "    out[page < 0] = 0\n", "", ("tests/emu/test_paging.py",)),
     Mutant("K10", "kernel paged KV: a hole reads page 0", "cuda/common.cuh",
            "return page < 0 ? -1 : (((long long)page", "return page < 0 ? 0 : (((long long)page", SIM),
     Mutant("M26", "update: o rescaled without ⊕ +0 (an underflowed −0 stays)", "apa_emu/pass1.py",
            "st.o[r, ch] * alpha + np.float32(0)", "st.o[r, ch] * alpha"),
     Mutant("M27", "varlen: sequences top-left causal (q_offset 0)", "apa_emu/varlen.py",
-           "q_offset=int(S - n), window=window)", "q_offset=0, window=window)", ("tests/test_varlen.py",)),
+           "q_offset=int(S - n), window=window)", "q_offset=0, window=window)", ("tests/emu/test_varlen.py",)),
     Mutant("K11", "kernel varlen: pass 1 strides part by the sequence's own rows, not the buffer's", "cuda/pass1.cuh",
            "        float* prow = a.part + (bh * geo.Rp_buf", "        float* prow = a.part + (bh * geo.Rp", SIM),
     Mutant("M28", "KV state: the growth restat at 8·S > 9·slen instead of ≥", "apa_emu/kvstate.py",
            "    elif 8 * S >= 9 * state.stats_length:", "    elif 8 * S > 9 * state.stats_length:",
-           ("tests/test_kvstate.py",)),
+           ("tests/emu/test_kvstate.py",)),
     Mutant("M29", "KV state: a frozen chunk computes its own statistics", "apa_emu/api.py",
            "stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))", "stats=None)",
-           ("tests/test_kvstate.py",)),
+           ("tests/emu/test_kvstate.py",)),
     Mutant("K12", "kernel launcher, KV state: a frozen chunk's statistics never reach the device", "apa_gpu/plan.py",
            "            self.kmean[...] = xp.asarray(stats.kmean)\n", "", SIM),
     Mutant("K13", "kernel launcher, KV state: a frozen chunk keeps the partial last tile instead of re-forming it",
            "apa_gpu/api.py", "min(images.held, state.length // TILE)", "min(images.held + 1, state.length // TILE + 1)",
            SIM),
     Mutant("M30", "v_f16: V ⊗ (1/vg) not rounded to FP16", "apa_emu/prep.py",
-           "    if cfg.v_f16:\n        xv_t = _f16(xv_t)\n", "", ("tests/test_algorithm.py",)),
+           "    if cfg.v_f16:\n        xv_t = _f16(xv_t)\n", "", ("tests/emu/test_algorithm.py",)),
     Mutant("K14", "kernel bounded schedule: a warp resumes a segment without its carried lc", "cuda/pass1.cuh",
            "m = c[0], x.la = c[1], x.lc = c[2],", "m = c[0], x.la = c[1],", SIM),
     Mutant("K15", "kernel bounded schedule: the sink tile's step left out of the run that holds T_max",
            "cuda/common.cuh", "    if (F == 0 && lo <= Tmax && Tmax < hi) i0 = 0, i1 = max(i1, 1);\n", "", SIM),
     Mutant("M31", "fma: the P-scale exponent u unfused (the seed's fmaf dropped)", "apa_emu/pass1.py",
            "u0 = fma32(gm, cq, k.A - c) if mode.fma else", "u0 = gm * cq + (k.A - c) if mode.fma else",
-           ("tests/test_algorithm.py",)),
+           ("tests/emu/test_algorithm.py",)),
     Mutant("K16", "kernel fma: the P-scale exponent u unfused", "cuda/pass1.cuh",
            "madd(gm[h], cq[h], fsub(a.A, c[h]), a.fma)", "madd(gm[h], cq[h], fsub(a.A, c[h]), false)", FMA_PROBES),
     Mutant("K17", "kernel fma: the merge numerator unfused", "cuda/merge.cuh",
@@ -154,7 +154,8 @@ MUTANTS = [
     Mutant("K20", "kernel direct_store: a warp stores directly whatever its hot mask", "cuda/pass1.cuh",
            "direct = any == 0;", "direct = true;", SIM),
     Mutant("K21", "kernel E2M1 grid rounding in binary16: C at least 2^8, not 2^9", "cuda/formats.cuh",
-           "0x24002400u, 0x60006000u)", "0x24002400u, 0x5C005C00u)", ("tests/test_gpu_sim.py::test_quant16_probe_on_simulator",)),
+           "0x24002400u, 0x60006000u)", "0x24002400u, 0x5C005C00u)",
+           ("tests/kernel/test_gpu_sim.py::test_quant16_probe_on_simulator",)),
     Mutant("K22", "kernel prep_v stages each key's raw channels at half their offset", "cuda/prep.cuh",
            "raw_s + (16 * grp + i) * V_ROW + c0);", "raw_s + (16 * grp + i) * V_ROW + c0 / 2);", SIM),
     Mutant("K23", "kernel cold branch: the lo row rescaled by the hi row's a from the hot test", "cuda/pass1.cuh",
@@ -181,53 +182,55 @@ MUTANTS = [
            "const float kh = f32h(h2_lo(out[i / 2]));", SIM),
     Mutant("M32", "p2_shift lanes: the lane sums added in a chain", "apa_emu/prep.py",
            "return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])", "return ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3]",
-           ("tests/test_seed_preset.py",)),
+           ("tests/emu/test_seed_preset.py",)),
     Mutant("K8", "kernel window: the CTA order without its sink rule", "cuda/common.cuh",
            "    if (F == 0) return i == 0 ? 0 : Tmax + 1 - i;\n", "", SIM),
     Mutant("M33", "merge frame: a massless pass-1 state sets M (the seed's max(m1, m2))", "apa_emu/merge.py",
            "np.maximum(np.where(l1 > 0, m1, -np.inf), np.where(l2 > 0, m2, -np.inf))", "np.maximum(m1, m2)",
-           ("tests/test_merge_frame.py",)),
+           ("tests/emu/test_merge_frame.py",)),
     Mutant("K31", "kernel merge frame: a massless pass-1 state sets M", "cuda/merge.cuh",
            "fmaxf(l1 > 0.0f ? m1 : neg_inf(), l2 > 0.0f ? m2 : neg_inf())", "fmaxf(m1, m2)", SIM),
     # mutants-2026-12's survivors: N7, F4 and S2 there.
     Mutant("M34", "§5.2 kg without its K-mean term", "apa_emu/prep.py",
            "kg = head_scale(amax(k) + np.abs(kmean).max(axis=1))", "kg = head_scale(amax(k))",
-           ("tests/test_spec_constants.py",)),
+           ("tests/emu/test_spec_constants.py",)),
     Mutant("M35", "§9.7 C2 of an FP16 and a binary32 pass-2 output swapped", "apa_emu/constants.py",
-           '{"f16": 2.0**-7, "f32": 2.0**-9,', '{"f16": 2.0**-9, "f32": 2.0**-7,', ("tests/test_spec_constants.py",)),
+           '{"f16": 2.0**-7, "f32": 2.0**-9,', '{"f16": 2.0**-9, "f32": 2.0**-7,',
+           ("tests/emu/test_spec_constants.py",)),
     # err_est (§9.8)
     Mutant("M36", "§7.9 ws rescaled by α once, not α²", "apa_emu/pass1.py",
-           "st.ws[r] = (st.ws[r] * alpha) * alpha", "st.ws[r] = st.ws[r] * alpha", ("tests/test_err_est.py",) + SIM),
+           "st.ws[r] = (st.ws[r] * alpha) * alpha", "st.ws[r] = st.ws[r] * alpha",
+           ("tests/emu/test_err_est.py",) + SIM),
     Mutant("M37", "§7.8 ws also sums the hot tiles' P̂²", "apa_emu/pass1.py",
            "    else:\n        if not mode.budget:\n            p1_self_sums(mode.model, phat, rows.runs, t2)\n",
            "        p1_self_sums(mode.model, phat, rows.runs, t2)\n"
            "        for r in range(ROWS):\n            st.ws[r] = st.ws[r] + t2[r]\n    else:\n"
            "        if not mode.budget:\n            p1_self_sums(mode.model, phat, rows.runs, t2)\n",
-           ("tests/test_err_est.py",)),
+           ("tests/emu/test_err_est.py",)),
     Mutant("M38", "§8.2 p4 not rescaled at a frame move", "apa_emu/pass2.py",
-           "            p4[r, t0] = (p4[r, t0] * a) * a\n", "", ("tests/test_err_est.py",)),
+           "            p4[r, t0] = (p4[r, t0] * a) * a\n", "", ("tests/emu/test_err_est.py",)),
     Mutant("K33", "kernel §8.4: the pair's p² fmas in the other order", "cuda/pass2.cuh",
            "st.p4_lo = fma_sq(p1, fma_sq(p0, st.p4_lo));", "st.p4_lo = fma_sq(p0, fma_sq(p1, st.p4_lo));", SIM),
     Mutant("M39", "§5.7 means of binary32 norms summed in key order", "apa_emu/prep.py",
            "    return exact_mean(_f16(norms), 1)",
            "    total = np.zeros(norms.shape[0], F32)\n    for s in range(norms.shape[1]):\n"
            "        total = total + norms[:, s]\n    return total / F32(norms.shape[1])",
-           ("tests/test_err_est.py",)),
+           ("tests/emu/test_err_est.py",)),
     Mutant("M40", "§9.8 the final rounding's error F2 left out", "apa_emu/merge.py",
            "        est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)", "        est = k.z * np.sqrt((vc + vh) / (dn * dn))",
-           ("tests/test_err_est.py",)),
+           ("tests/emu/test_err_est.py",)),
     # the budget hot test (§7.7)
     Mutant("M41", "§7.7 budget test: ws compared in frame m, not rescaled to c", "apa_emu/pass1.py",
            "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):",
            "if st.ws[r] + t2[r] > rows.beta[r] * (big * big):",
-           ("tests/test_hot_test.py",)),
+           ("tests/emu/test_hot_test.py",)),
     Mutant("K32", "kernel budget test: ws compared in frame m, not rescaled to c", "cuda/pass1.cuh",
            "fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h])", "fadd(st.r[h].ws, v.t2[h])",
-           tuple(f"tests/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
+           tuple(f"tests/kernel/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
                  for c in ("80-budget", "81-budget-bounded", "82-budget-fused-pad-vote"))),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
-           ("tests/test_attribute_configs.py",)),
+           ("tests/study/test_attribute_configs.py",)),
 ]
 
 

@@ -8,7 +8,7 @@
 // layout and the binary32/binary16 arithmetic (host SSE arithmetic is IEEE RNE with subnormals,
 // compiled with -ffp-contract=off). What it cannot check: the tensor cores themselves (mma.sync is
 // computed with a C++ port of the emulator's sm90 model, numerics.md §3.1; the hardware is checked
-// by tests/test_gpu_mma.py), true concurrency and memory-model behaviour, and ex2.approx.
+// by tests/kernel/test_gpu_mma.py), true concurrency and memory-model behaviour, and ex2.approx.
 #pragma once
 
 #include <stdint.h>

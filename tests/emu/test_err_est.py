@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hyp import Seen, examples
-from test_algorithm import mixed_problem, problems
+from helpers import mixed_problem, problems
 
 from apa_emu import Config, attention
 from apa_emu.geometry import ROWS, TILE

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cluster import distributed  # noqa: F401 (Dask or a skip, and under CI Dask or a failure)
-from tool_module import load_tool
+from helpers import dask_distributed, load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 bench_cluster = load_tool("bench_cluster")
+dask_distributed()  # Dask or a skip, and under CI Dask or a failure
 
 
 def test_projection_counts_rounds_of_units():

@@ -1,11 +1,11 @@
-"""The studies on the GPU engine against the CPU engine (issue 10), on the device: the float64
+"""The studies on the GPU engine agree with the CPU engine, on the device: the float64
 reference in CuPy against apa_emu's oracle, scan, sweep and attribute with identical outputs and hot
 masks and metrics within 1e-12 (the built-in dump and a synthetic 8192-key d = 128 dump; the CPU side
 on a subset of rows), the CLI end to end, several processes on the GPUs, the memory refusal, memory
 released after a study, and ``apa check`` passing and naming the stage of a kernel built with one
 rounding changed. Marked ``gpu``.
 
-Run: ``python -m pytest -q -m gpu tests/test_gpu_study.py``.
+Run: ``python -m pytest -q -m gpu tests/study/test_gpu_study.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from test_study_engine import assert_same_scans
+from helpers import assert_same_scans
 
 from apa_emu import Config, reference_rows
 from apa_emu.study import engine, fp64, scan

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import dask_distributed
 
 from apa_emu import Config
 from apa_emu.engines import CpuEngine
@@ -28,12 +29,7 @@ from apa_emu.study.cli import main
 from apa_emu.study.dump import read_dump, write_dump
 from apa_emu.study.synth import synthetic
 
-try:
-    import distributed
-except ImportError:
-    if os.environ.get("CI"):  # the test extra installs it: under CI these run, never skip
-        raise
-    pytest.skip("Dask's distributed is not installed (pip install -e '.[test]')", allow_module_level=True)
+distributed = dask_distributed()
 pytest.importorskip("rich")
 
 STUDIES = {"scan": [], "attribute": ["--worst", "5"], "sweep": ["--eps", "-1", "0.01", "1e9"]}

@@ -2,22 +2,13 @@
 convention, perplexity and a greedy answer on the real model, and (slow) logits and post-RoPE Q/K
 against Hugging Face transformers' own GGUF loader."""
 
-import math
-
 import numpy as np
 import pytest
+from helpers import perplexity
 
 from apa_emu.study.dump import read_dump
 from apa_emu.study.lm import rope_tables
 from apa_emu.study.smollm2 import _rope, _unpermute_rope_rows, causal_attention
-
-
-def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
-    """Float64 perplexity of next-token logits [T, vocab] on the token ids [T]: the oracle both
-    forward-pass cross-checks (SmolLM2, Gemma 3) compare against transformers with."""
-    top = logits.max(axis=1)
-    lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-    return math.exp((lse[:-1] - logits[np.arange(ids.size - 1), ids[1:]]).mean())
 
 
 TEXT = (

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from helpers import f32_exact_rne
 from numba import njit
 
 from apa_emu.fpmath import (
@@ -274,14 +275,6 @@ def test_f16_fma_single_rounding():
         assert got == want, (a, b, c)
 
 
-def _f32_exact_rne(q: Fraction) -> np.float32:
-    """The binary32 nearest to the rational q, ties to the even significand (finite results): the
-    oracle of fma32, from the two binary32 neighbours of q's binary64 approximation."""
-    f = np.float32(float(q))
-    around = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
-    return min(around, key=lambda x: (abs(Fraction(float(x)) - q), int(x.view(np.uint32)) & 1))
-
-
 def test_fma32_single_rounding():
     """fma32 (§1.8) against exact rational arithmetic: random triples, and products that are exact
     binary32 midpoints, (1 + m₁2⁻¹²)(1 + m₂2⁻¹²) with m₁m₂ odd, plus a c far below the product's
@@ -298,7 +291,7 @@ def test_fma32_single_rounding():
         cases.append((a, b, np.float32(rng.choice([-1, 1]) * 2.0 ** (e - int(rng.integers(60, 90))))))
     for a, b, c in cases:
         exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
-        want = _f32_exact_rne(exact)
+        want = f32_exact_rne(exact)
         got = np.float32(fma32(a, b, c))
         assert got.view(np.uint32) == want.view(np.uint32), (a, b, c)
         twice += np.float32(float(exact)).view(np.uint32) != want.view(np.uint32)

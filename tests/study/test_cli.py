@@ -20,7 +20,7 @@ from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
 
 pytest.importorskip("rich")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_json(capsys, *argv) -> dict:

@@ -1,4 +1,4 @@
-"""The public engine interface (docs/engines.md) on two engines a user would write (tests/user_engines):
+"""The public engine interface (docs/engines.md) on two engines a user would write (tests/emu/user_engines):
 the emulator with one rounding changed, which ``apa check`` must catch bitwise and localise where the
 changed rounding bites (found here independently, from two emulator runs), and a PyTorch fake-quant
 attention, reported in tolerance with where it departs from APA (in a problem that has cold tiles).
@@ -249,7 +249,7 @@ def test_the_apa_engine_option_and_fixture(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "test_fixture.py").write_text(
         "from apa_emu.problems import Problem\n"
         "from apa_emu.testing import assert_matches_emulator\n\n\n"
@@ -257,7 +257,7 @@ def test_the_apa_engine_option_and_fixture(tmp_path):
         "    problem = Problem(seed=3, B=1, n=48, Hkv=1, G=2, d=64, S=600, structure='sink', batched=False,\n"
         "                      q_offset=552)\n"
         "    assert_matches_emulator(apa_engine, problem, mode='bitwise')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests" / "emu")]))
 
     def pytest_run(*extra):
         return subprocess.run([sys.executable, "-m", "pytest", "-p", "apa_emu.testing", "-q", "-p", "no:cacheprovider",

@@ -10,7 +10,7 @@ import pytest
 from apa_emu import Config
 from apa_emu.study.scan import Pairs, run_pairs
 from apa_emu.study.synth import synthetic
-from tool_module import load_tool
+from helpers import load_tool
 
 est_fit = load_tool("est_fit")
 

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from test_fpmath import _f32_exact_rne
+from helpers import f32_exact_rne
 
 from apa_emu import Config, attention
 from apa_emu.merge import merge
@@ -127,7 +127,7 @@ def _seed_lane_shift(q: np.ndarray, kmean: np.ndarray, fused: bool) -> np.float3
                 c = 16 * k + 8 * h + 2 * t0
                 right = F32(q[c + 1]) * F32(kmean[c + 1])
                 if fused:
-                    t = _f32_exact_rne(Fraction(float(q[c])) * Fraction(float(kmean[c])) + Fraction(float(right)))
+                    t = f32_exact_rne(Fraction(float(q[c])) * Fraction(float(kmean[c])) + Fraction(float(right)))
                 else:
                     t = F32(q[c]) * F32(kmean[c]) + right
                 sh[t0] = sh[t0] + t

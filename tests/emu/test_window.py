@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hyp import Seen, examples
 
-from test_algorithm import merged_f64
+from helpers import merged_f64
 
 from apa_emu import Config, attention, reference
 from apa_emu.reference import reference_rows

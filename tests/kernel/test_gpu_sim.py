@@ -4,7 +4,7 @@ No GPU needed: g++ compiles cuda/apa.cu with the CUDA built-ins replaced by host
 collectives through a per-warp exchange, mma.sync by a C++ port of the sm90 model), and apa_gpu
 runs it through its simulator backend (APA_GPU_BACKEND=sim). This checks the kernel's indexing,
 fragment layouts, control flow, parameter structs, trace layout and binary32/binary16 arithmetic on
-every CI run; the tensor cores themselves are checked on the device (tests/test_gpu_mma.py). Runs in
+every CI run; the tensor cores themselves are checked on the device (tests/kernel/test_gpu_mma.py). Runs in
 a subprocess, whose backend setting leaves this process's alone. Skipped without g++.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 
@@ -212,7 +212,7 @@ CASES = [
     case("72-fma-pow2", "run(72, 16, 3, 1, 130, 64, 114, Config(eps=0.02, fma=True, quant_p=False,"
                         " p_scale='pow2'), sink=True)"),
     # Cold sink visits whose row-maximum group gets the lifted scale 18 fused (16 unfused; §7.4,
-    # tests/test_algorithm.py), so an unfused §7.4 site shows (mutant K16).
+    # tests/emu/test_algorithm.py), so an unfused §7.4 site shows (mutant K16).
     case("9-fma-bounded", "run(9, 70, 3, 1, 700, 64, 640, Config(eps=0.3, fma=True), sink=True, schedule='bounded',"
                           " segment=3)", MIXED, MERGED),
     # The seed's per-lane pass-2 row shift (§5.3 p2_shift), its channel pairs fused and not.
@@ -220,7 +220,7 @@ CASES = [
                                " 'separate')", MIXED, MERGED),
     case("74-lanes-shift-d128", "offset_keys(74, 24, 2, 128, 260, Config(eps=0.05, p2_shift='lanes'), 'fused')"),
     # Padding rows voting (§6.2 pad_vote), where they see keys the last row does not: the hand problem
-    # of tests/test_seed_preset.py (its tile 2 hot only through their votes), and a random one in
+    # of tests/emu/test_seed_preset.py (its tile 2 hot only through their votes), and a random one in
     # segments (their state carried too).
     case("75-pad-vote", """
         q, k, v = np.zeros((1, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16), np.zeros((256, 1, 64), np.float16)
@@ -288,21 +288,22 @@ def test_the_cases_cover_what_the_kernel_has():
 
 
 def test_fma_site_probes_on_simulator(tmp_path):
-    """tests/test_gpu_fma_sites.py (marked gpu) on the simulator: the probes of §7.4's and §9.3–9.4's FMA
+    """tests/kernel/test_gpu_fma_sites.py (marked gpu) on the simulator: the probes of §7.4's and §9.3–9.4's FMA
     sites, which whole problems seldom expose, run in CI too."""
     env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_fma_sites.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/kernel/test_gpu_fma_sites.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1800)
     assert r.returncode == 0 and re.search(r"^3 passed", r.stdout, re.M), r.stdout + r.stderr
 
 
 def test_quant16_probe_on_simulator(tmp_path):
-    """tests/test_gpu_formats.py's quant16 check (§4.4: the packed binary16 search, ties, one-hot and
+    """tests/kernel/test_gpu_formats.py's quant16 check (§4.4: the packed binary16 search, ties, one-hot and
     sparse blocks) on the simulator with 4000 blocks per mode, so that CI runs cuda/formats.cuh's block
     quantizer, not only the device."""
     env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    code = "import test_gpu_formats as t\nfor lsq in (True, False): t.check_quant16(4000, lsq)\nprint('ok')"
+    code = "from helpers import check_quant16\nfor lsq in (True, False): check_quant16(4000, lsq)\nprint('ok')"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 

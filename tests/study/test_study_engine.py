@@ -1,9 +1,9 @@
-"""The study engines without a GPU (issue 10): the choice of engine and its one-line messages, the
+"""The study engines without a GPU: the choice of engine and its one-line messages, the
 blocked float64 reference and per-pair sums against apa_emu's oracle, the certificate a scan carries
 and reports (a planted violation included), every study command on several dumps and on a folder,
 and the GPU engine's own code (units, hot masks of the chosen warps, the memory check, apa check)
-with NumPy standing in for CuPy and the emulator for the kernel. tests/test_gpu_study.py runs the
-same on the device; tests/test_cluster.py runs the units on Dask."""
+with NumPy standing in for CuPy and the emulator for the kernel. tests/study/test_gpu_study.py runs
+the same on the device; tests/study/test_cluster.py runs the units on Dask."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import assert_same_scans
 
 import apa_emu
 import apa_gpu.api
@@ -317,21 +318,6 @@ def test_attribute_every_pair_with_breakdown(dumps, tmp_path):
 
 
 # -- the GPU engine's code, NumPy standing in ---------------------------------------------------
-
-
-def assert_same_scans(gpu: scan.Scan, cpu: scan.Scan):
-    """The GPU engine's scan is the CPU engine's: outputs, certificates and hot masks bitwise, the
-    metrics within 1e-12, the products of output and reference within 1e-12 relative (not
-    Σ(out − ref)², which cancels: its metric, the relative L2, is compared)."""
-    assert gpu.engine == "gpu" and cpu.engine == "cpu"
-    assert gpu.out.tobytes() == cpu.out.tobytes() and gpu.bound.tobytes() == cpu.bound.tobytes()
-    assert np.array_equal(gpu.result.hot, cpu.result.hot)
-    assert (gpu.hot_tiles, gpu.active_tiles) == (cpu.hot_tiles, cpu.active_tiles)
-    for x, y in zip(gpu.sums[:3], cpu.sums[:3]):
-        np.testing.assert_allclose(x, y, rtol=1e-12, atol=0)
-    for x, y in zip((gpu.cos, gpu.rel, gpu.sums.max_abs, *(gpu.split or ())),
-                    (cpu.cos, cpu.rel, cpu.sums.max_abs, *(cpu.split or ()))):
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-12)
 
 
 def test_gpu_engine_code_gives_the_cpu_engines_results(numpy_gpu, dumps):

@@ -16,7 +16,7 @@ import pytest
 
 from apa_emu.fpmath import exp2s_np
 
-HEADER = Path(__file__).resolve().parent.parent / "cuda" / "formats.cuh"
+HEADER = Path(__file__).resolve().parents[2] / "cuda" / "formats.cuh"
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 

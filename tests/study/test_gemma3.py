@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
-from test_llama import perplexity
+from helpers import perplexity
 
 from apa_emu.study import gemma3
 from apa_emu.study.cli import main as apa

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tool_module import load_tool
+from helpers import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 bench_ab = load_tool("bench_ab")
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = "import numba, apa_emu.fpmath as f; print(numba.config.CACHE_DIR); print(f.exp2s._cache._cache_path)"
 
 

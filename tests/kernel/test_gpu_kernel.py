@@ -314,7 +314,7 @@ def test_synthetic_llama_32k():
 @pytest.mark.parametrize("d", SUPPORTED_D)
 def test_fast_mode_tolerance(d):
     """exp2 'fast' (hardware ex2.approx) against the emulator's fast model: not bitwise (numerics.md
-    §2), so checked by tolerance and flip counts. Measured on the H200 (docs/gpu-log.md): rel. L2
+    §2), so checked by tolerance and flip counts. Measured on the H200 (docs/results/gpu-log.md): rel. L2
     3.0e-5 (d = 128) and 8.8e-6 (d = 64), no hot bit and about 3 % of the tile row sums (the P' codes
     behind them) differing. The bounds leave about 30x, 1 % and 3x of room."""
     q, k, v = make_inputs(21, 1, 256, 2, 3, d, 2048, "sink", batched=False)

@@ -10,23 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import check_quant16, first_diff
 
 from apa_emu import formats, fpmath
 
-from apa_gpu.probes import run_probe_codes, run_probe_exp2, run_probe_quant16, run_probe_tables
+from apa_gpu.probes import run_probe_codes, run_probe_exp2, run_probe_tables
 
 # Under the simulator the binary16 conversions and roundings are host ports, and tens of millions of
 # host threads would take hours: the device's own instructions are what these tests check.
 pytestmark = [pytest.mark.gpu, pytest.mark.hardware]
-
-
-def _first_diff(a, b, x):
-    ab, bb = a.view(np.uint32) if a.dtype == np.float32 else a, b.view(np.uint32) if b.dtype == np.float32 else b
-    bad = np.flatnonzero(ab.ravel() != bb.ravel())
-    if bad.size:
-        i = bad[0]
-        return f"{bad.size} differ; first x={x.ravel()[i]!r}: gpu {a.ravel()[i]!r} vs emulator {b.ravel()[i]!r}"
-    return None
 
 
 def test_exp2s_dense_and_special():
@@ -39,7 +31,7 @@ def test_exp2s_dense_and_special():
     special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 127.5, 127.99999, 128, -126, -126.00001,
                         -125.5, -125.50001, 1e-45, -1e-45], np.float32)
     x = np.concatenate([neg, pos, wide, ints, ints + np.float32(0.5), special])
-    msg = _first_diff(run_probe_exp2(x), fpmath.exp2s_np(x), x)
+    msg = first_diff(run_probe_exp2(x), fpmath.exp2s_np(x), x)
     assert msg is None, msg
 
 
@@ -48,7 +40,7 @@ def test_exp2s_restricted_variants():
     # exp2s_nonpos (frame rescales, pass-2 probabilities) is exp2s on x ≤ 0 and NaN: every binary32 in
     # [-2, 0] with stride 29, a stride over [-130, -2], the edges of step 1 and -inf.
     unit = np.arange(0, np.float32(1).view(np.uint32), 13, dtype=np.uint32).view(np.float32)
-    msg = _first_diff(run_probe_exp2(unit, "core"), fpmath.exp2s_np(unit), unit)
+    msg = first_diff(run_probe_exp2(unit, "core"), fpmath.exp2s_np(unit), unit)
     assert msg is None, msg
     lo = np.float32(-2).view(np.uint32)
     near = np.arange(np.float32(-0.0).view(np.uint32), lo, 29, dtype=np.uint32).view(np.float32)
@@ -57,7 +49,7 @@ def test_exp2s_restricted_variants():
                       -126.5, -126.49999, -126.50001, -127, -126.99999, -127.00001, -127.5, -128, -3e38],
                      np.float32)
     x = np.concatenate([near, far, edges])
-    msg = _first_diff(run_probe_exp2(x, "nonpos"), fpmath.exp2s_np(x), x)
+    msg = first_diff(run_probe_exp2(x, "nonpos"), fpmath.exp2s_np(x), x)
     assert msg is None, msg
 
 
@@ -80,30 +72,10 @@ def test_codes():
     g2, g4 = run_probe_codes(x)
     e2 = formats.E2M1_VALUES[[formats.e2m1_code(v) for v in x]]
     e4 = formats.e4m3_codes(x)
-    assert (msg := _first_diff(g2, e2, x)) is None, "e2m1: " + msg
-    assert (msg := _first_diff(g4, e4, x)) is None, "e4m3: " + msg
+    assert (msg := first_diff(g2, e2, x)) is None, "e2m1: " + msg
+    assert (msg := first_diff(g4, e4, x)) is None, "e4m3: " + msg
 
 
 @pytest.mark.parametrize("lsq", [True, False], ids=["lsq", "nearest"])
 def test_quant16(lsq):
     check_quant16(200_000, lsq)
-
-
-def check_quant16(nb, lsq):
-    """quant16 of nb blocks on the GPU (or the simulator: tests/test_gpu_sim.py) against the emulator."""
-    rng = np.random.default_rng(11 + lsq)
-    scale = np.exp2(rng.uniform(-40, 12, (nb, 1))).astype(np.float32)
-    x = (rng.standard_normal((nb, 16)) * scale).astype(np.float32)
-    # sparse, one-hot, ties and exact grid values
-    x[: nb // 8, ::2] = 0
-    x[nb // 8: nb // 4, 1:] = 0
-    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
-    ng = min(4096, nb // 4)
-    x[nb // 4: nb // 4 + ng] = grid[rng.integers(0, 8, (ng, 16))] * np.float32(2.0) ** rng.integers(
-        -9, 9, (ng, 1)).astype(np.float32) * rng.choice(np.float32([-1, 1]), (ng, 16))
-    x[-1] = 0
-    x = np.clip(x, -2688, 2688)
-    gq, gs = run_probe_quant16(x, lsq)
-    ec, es = formats.quantize_blocks(x, lsq)
-    assert (msg := _first_diff(gs, es[:, 0], np.arange(nb))) is None, "block scale: " + msg
-    assert (msg := _first_diff(gq, formats.dequantize_blocks(ec, es), x)) is None, "values: " + msg

@@ -1,4 +1,4 @@
-"""The apa command on bad input, broken output and overflow (issue 11 B and C): one line and exit 2 for
+"""The apa command on bad input, broken output and overflow: one line and exit 2 for
 every problem, strict JSON, non-finite pairs named, nothing written where it should not be."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from apa_emu.study.synth import synthetic
 from apa_emu.trace import VISIT_FIELDS, row_dtype
 
 pytest.importorskip("rich")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _strict(text: str):

@@ -4,7 +4,7 @@ against the emulator: §7.4's P-scale exponent and §9.3–9.4's merge, through 
 On whole problems a single binary32 rounding seldom reaches an output bit, so a kernel that dropped one
 of these fusions could pass the attention cross-checks (mutants K16, K17 of tools/mutants.py). Here the
 operands are ones where the fusion decides the result. Marked ``gpu``: it runs on the device and, in CI,
-on the CPU simulator (tests/test_gpu_sim.py runs this file there).
+on the CPU simulator (tests/kernel/test_gpu_sim.py runs this file there).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _pscale_matches(gm, cq, c, pow2: bool, fma: bool):
 
 
 def test_pscale_fusion_lifts_the_row_maximum_group():
-    """§7.4 by hand (tests/test_algorithm.py derives it): gm = 100, c_q = 1 + 2⁻²², c = gm ⊗ c_q. Unfused
+    """§7.4 by hand (tests/emu/test_algorithm.py derives it): gm = 100, c_q = 1 + 2⁻²², c = gm ⊗ c_q. Unfused
     u = 4 exactly and the scale is 16; fused u = 4 + 2⁻²⁰ and the scale is 18. Then a spread of triples
     around u = 4 under both scale kinds, bitwise against the emulator, some of which the fusion moves."""
     k = Config().pass1_consts()

@@ -58,7 +58,7 @@ def test_default_pass1_keeps_its_registers(fast):
     """apa_pass1 (the mass and output tests) is a kernel of its own, apart from apa_pass1_budget: with
     both hot-test kinds behind one run-time branch in one kernel, ptxas 13.0 spilled 92-112 bytes of
     the default pass 1 (d = 128), inside its loop, and pass 1 ran 17 % (fast) and 12 % (exact) slower on
-    the H200 (docs/benchmarks.md, issue 32's cost, seventeenth session). Alone it spills 24."""
+    the H200 (docs/results/performance-log.md, "The cost of §9.8 again"). Alone it spills 24."""
     with tempfile.TemporaryDirectory() as td:
         log = build.compile_to(build.Variant(d=128, exp2_fast=fast), Path(td) / "k.cubin", verbose=True)
     spills = {line.split()[0]: _spill_stores(line) for line in build.ptxas_report(log)}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from helpers import merge_f64, merged_f64, mixed_problem, problems
 from hyp import Seen, examples
 
 from apa_emu import Config, attention, fpmath, reference
@@ -16,37 +17,6 @@ from apa_emu.metrics import pair_metrics
 from apa_emu.study.synth import synthetic
 
 ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
-
-
-@st.composite
-def problems(draw, max_keys=640, dims=(64, 128)):
-    """Small attention problems with the structure the hot test cares about."""
-    d = draw(st.sampled_from(dims))
-    nkv = draw(st.sampled_from([1, 2]))
-    G = draw(st.sampled_from([1, 3]))
-    kv = draw(st.integers(70, max_keys))
-    n = draw(st.integers(1, min(kv, 40)))
-    off = draw(st.integers(0, kv - n))
-    dump = synthetic(
-        n, kv, nkv * G, nkv, d, seed=draw(st.integers(0, 2**31 - 1)), q_offset=off,
-        sink=draw(st.sampled_from([0.0, 2.0, 6.0])),
-        locality=draw(st.sampled_from([0.0, 1.0, 3.0])),
-        diffuse_heads=draw(st.sampled_from([0.0, 0.5])),
-        channel_offset=draw(st.sampled_from([0.0, 2.0])),
-        outliers=draw(st.sampled_from([0.0, 0.01])),
-    )
-    return dump.q, dump.k, dump.v, dump.q_offset
-
-
-def mixed_problem(d: int):
-    """A problem whose warps mix hot and cold tiles at ε = 0.3, so some rows merge both parts."""
-    dump = synthetic(24, 700, 4, 2, d, seed=31, q_offset=676)
-    return dump.q, dump.k, dump.v, dump.q_offset
-
-
-def merged_f64(rows) -> np.ndarray:
-    """The §9 merge evaluated in float64 from the traced binary32 states (no final FP16 rounding)."""
-    return merge_f64(*(rows[f] for f in ("m1", "l1", "part", "m2", "l2", "o2")))
 
 
 def packed_reference(q, k, v, off, rows) -> np.ndarray:
@@ -167,16 +137,6 @@ def test_negative_eps_is_pass2_alone():
         assert np.array_equal(expect.view(np.uint16), rows["out"].view(np.uint16))
 
     prop()
-
-
-def merge_f64(m1, l1, part, m2, l2, o2) -> np.ndarray:
-    """§9 in float64: each part weighted by 2^(m − max(m1, m2)), an empty part (l = 0) by 0."""
-    m1, l1, m2, l2 = (np.asarray(x, np.float64) for x in (m1, l1, m2, l2))
-    big = np.maximum(m1, m2)
-    with np.errstate(invalid="ignore"):
-        w1 = np.where(l1 > 0, np.exp2(np.where(l1 > 0, m1 - big, 0)), 0.0)
-        w2 = np.where(l2 > 0, np.exp2(np.where(l2 > 0, m2 - big, 0)), 0.0)
-    return (w1[:, None] * part + w2[:, None] * o2) / (w1 * l1 + w2 * l2)[:, None]
 
 
 def test_merge_of_two_frames_is_one_softmax():
