@@ -80,8 +80,9 @@ class HeadRunner:
     """Runs the warps of one (batch, KV head) of a call, one ``run(w)`` each: pass 1, pass 2, the merge
     and the error estimates (§7–9). ``prep``: that head's prep (§5), alone at index 0, as
     ``prepare_lowered`` forms it; ``flags``: the call's toggles, lowered once (Config.flags), which are
-    all it reads of the config besides the numeric constants it takes from ``cfg``. Apart from a whole
-    call, it times the passes without the prep (tools/bench_emu.py) and replays a warp's visits."""
+    all it reads of the config besides the numeric constants it takes from ``cfg``. Used alone, it
+    lets a benchmark time the passes apart from the prep (tools/bench_emu.py) and a test replay a
+    warp's visits (``p1_inputs``)."""
 
     def __init__(self, shape: Shape, b: int, hk: int, prep: Prepared, cfg: Config, flags: Flags,
                  want: tr.TraceRequest | None = None):

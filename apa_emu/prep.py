@@ -214,7 +214,7 @@ def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32,
             else:
                 c2, s2 = formats.quantize_blocks(x - q1, f.lsq)
                 qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
-                qhat, qc, qs = qsum, [c1, c2], [s1, s2]
+                qhat, qc, qs = operand(qsum, model), [c1, c2], [s1, s2]
                 qeff = qsum if model == SM120 else qhat  # what the score chain multiplies (§5.7)
             if model == SM120:
                 fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
