@@ -16,11 +16,12 @@ from . import kvstate, varlen
 from .call import Call, logical_kv, resolve_call, resolve_config
 from .kvstate import KVState
 from .config import Config
+from .constants import EXACT, SM120, Flags
 from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import budget_beta, certificate, estimate, merge_y
-from .pass1 import MODELS, SM120, FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
+from .pass1 import FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
-from .prep import Prepared, call_stats, prep_bytes, prepare, slot_keys, unpack_rows
+from .prep import Prepared, call_stats, prep_bytes, prepare_lowered, slot_map, unpack_rows
 from .result import Result, run_checked
 
 F32 = np.float32
@@ -76,18 +77,22 @@ def _hot_tiles(hot_words: np.ndarray, last_tile: int) -> np.ndarray:
     return t[(hot_words[t // 32] >> (t % 32).astype(np.uint32)) & 1 == 1].astype(np.int64)
 
 
-class _Runner:
-    """Runs the warps of one (batch, KV head): its prep holds that head alone, at index 0."""
+class HeadRunner:
+    """Runs the warps of one (batch, KV head) of a call, one ``run(w)`` each: pass 1, pass 2, the merge
+    and the error estimates (§7–9). ``prep``: that head's prep (§5), alone at index 0, as
+    ``prepare_lowered`` forms it; ``flags``: the call's toggles, lowered once (Config.flags), which are
+    all it reads of the config besides the numeric constants it takes from ``cfg``. Used alone, it
+    lets a benchmark time the passes apart from the prep (tools/bench_emu.py) and a test replay a
+    warp's visits (``p1_inputs``)."""
 
-    def __init__(self, shape: Shape, b: int, hk: int, prep: Prepared, cfg: Config, want: tr.TraceRequest | None):
-        self.shape, self.b, self.hk, self.prep, self.cfg, self.want = shape, b, hk, prep, cfg, want
-        self.soft = cfg.exp2 == "soft"
+    def __init__(self, shape: Shape, b: int, hk: int, prep: Prepared, cfg: Config, flags: Flags,
+                 want: tr.TraceRequest | None = None):
+        self.shape, self.b, self.hk, self.prep, self.flags, self.want = shape, b, hk, prep, flags, want
+        self.soft = flags.model.soft
         self.consts = cfg.pass1_consts()
-        self.mode = cfg.pass1_flags().lower(
-            P1Mode, model=MODELS[cfg.mma], soft=self.soft, slots=slot_keys(cfg.p_groups).astype(np.int64),
-            vk=F32(prep.vg[0] * self.consts.Kf), vg=prep.vg[0])
-        self.p2_mode = cfg.pass2_flags().lower(P2Mode, exact=cfg.mma == "exact", f32_out=cfg.p2_accum == "f32",
-                                               soft=self.soft, qmul=prep.qmul)
+        self.mode = flags.pass1.lower(P1Mode, flags.model, slots=slot_map(flags.pass1.interleaved).astype(np.int64),
+                                      vk=F32(prep.vg[0] * self.consts.Kf), vg=prep.vg[0])
+        self.p2_mode = flags.pass2.lower(P2Mode, flags.model, exact=flags.model.model == EXACT, qmul=prep.qmul)
         self.cert = cfg.cert_consts(prep.d)
         self.est = cfg.est_consts(prep.d)
 
@@ -100,7 +105,7 @@ class _Runner:
     def _p1_rows(self, x: np.ndarray, wr: WarpRows, pad) -> np.ndarray:
         """A per-row prep array as pass 1 reads it: under ``pad_vote`` a padding row holds row R − 1's
         (§6.2; ``wr.rows`` is clamped there), else ``pad``."""
-        return np.ascontiguousarray(x[0, wr.rows]) if self.cfg.pad_vote else self._rows(x, wr, pad)
+        return np.ascontiguousarray(x[0, wr.rows]) if self.flags.pass1.pad_vote else self._rows(x, wr, pad)
 
     def _fp4(self, wr: WarpRows) -> FP4Operands:
         p = self.prep
@@ -111,9 +116,9 @@ class _Runner:
                            p.k_codes[0], p.k_scales[0], p.v_codes_t[0], p.v_scales_t[0])
 
     def _pass1(self, wr: WarpRows, traced: bool) -> tuple[P1Out, tr.VisitTrace]:
-        p, cfg = self.prep, self.cfg
+        p = self.prep
         out = P1Out.new(p.d, self.shape.ntiles)
-        if cfg.eps < 0:  # §9.6: every active tile is hot, pass 1 does not run
+        if self.flags.pass2.all_hot:  # §9.6: every active tile is hot, pass 1 does not run
             for t in range(wr.first_tile, wr.last_tile + 1):
                 out.hot_words[t // 32] |= np.uint32(1 << (t % 32))
             return out, tr.visit_trace(0)
@@ -125,8 +130,8 @@ class _Runner:
     def p1_inputs(self, wr: WarpRows) -> tuple[P1Operands, P1Rows, np.ndarray]:
         """What ``pass1_warp`` reads of warp ``wr`` besides the mode and constants: its operands, rows
         and visiting order (§6.4). Tests replay single visits from them."""
-        p, cfg = self.prep, self.cfg
-        order = visit_order(wr.first_tile, wr.last_tile, cfg.tile_order)
+        p, pad_vote = self.prep, self.flags.pass1.pad_vote
+        order = visit_order(wr.first_tile, wr.last_tile, self.flags.pass1.ascending)
         nu = p.nu_t[0] if self.mode.output else np.zeros((1, TILE), F32)
         ops = P1Operands(self._p1_rows(p.qhat, wr, 0), p.khat[0], p.vhat_t[0], nu, self._fp4(wr))
         cq = self._p1_rows(p.cq, wr, 1)
@@ -134,7 +139,7 @@ class _Runner:
         if self.mode.budget:  # §7.7: padding rows that vote read qstat's +0 and the c_q pass 1 has
             qstat = self._rows(p.qstat, wr, 0)
             beta = budget_beta(self.consts.eps, cq, qstat[:, 0], qstat[:, 1], p.kvstat[0], self.est.rho, p.d)
-        if cfg.pad_vote:  # §6.2: padding rows run with their own unclamped key ranges
+        if pad_vote:  # §6.2: padding rows run with their own unclamped key ranges
             r = np.arange(wr.w * ROWS, (wr.w + 1) * ROWS)
             rows = P1Rows(wr.valid, np.ones(ROWS, bool), self.shape.lim(r), self.shape.lo(r), cq, beta)
         else:
@@ -175,7 +180,7 @@ class _Runner:
         if self.mode.direct and not len(tiles):  # §9.5: the seed's direct store
             y = p1.part
         else:
-            y = merge_y(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.cfg.fma)
+            y = merge_y(p1.m1, p1.l1, p1.part, p2.m2, p2.l2, p2.o2, self.soft, self.flags.pass2.fma)
         out = y.astype(np.float16)
         p = self.prep
         cq, qstat = self._rows(p.cq, wr, 1), self._rows(p.qstat, wr, 0)
@@ -191,10 +196,10 @@ class _Runner:
 
 
 # Set in each worker process by the pool's initializer; with fork, the runner is inherited, not pickled.
-_WORKER_RUNNER: _Runner | None = None
+_WORKER_RUNNER: HeadRunner | None = None
 
 
-def _init_worker(runner: _Runner) -> None:
+def _init_worker(runner: HeadRunner) -> None:
     global _WORKER_RUNNER
     _WORKER_RUNNER = runner
     # Ctrl-C goes to the parent alone, which then ends the pool: no worker prints a traceback of its own
@@ -294,14 +299,15 @@ def _run_heads(call: Call, cfg: Config, kb, vb, frozen, workers: int, progress):
     total = shape.nw * len(groups) if chosen is None else len(chosen)
     results: list[tuple[int, int, WarpResult]] = []
     stats = {}
+    flags, qmul = cfg.flags(), cfg.qmul(shape.d)  # the call's toggles, lowered once for all its heads
     for b, hk in groups:
         heads = slice(hk * G, (hk + 1) * G)
-        prep = prepare(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, cfg,
-                       first_key=int(shape.lo(0)),
-                       stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))
+        prep = prepare_lowered(qb[b][:, heads], kb[b][:, hk:hk + 1], vb[b][:, hk:hk + 1], shape.q_offset, flags,
+                               qmul, first_key=int(shape.lo(0)),
+                               stats=None if frozen is None else tuple(x[b, hk:hk + 1] for x in frozen))
         stats[b, hk] = prep.kmean[0], prep.kg[0], prep.vg[0]
         todo = [w for w in range(shape.nw) if chosen is None or (b, hk, w) in chosen]
-        runner = _Runner(shape, b, hk, prep, cfg, call.want)
+        runner = HeadRunner(shape, b, hk, prep, cfg, flags, call.want)
         for res in _run_warps(runner, todo, workers):
             results.append((b, hk, res))
             if progress:
@@ -309,7 +315,7 @@ def _run_heads(call: Call, cfg: Config, kb, vb, frozen, workers: int, progress):
     return results, stats
 
 
-def _run_warps(runner: _Runner, todo: list[int], workers: int):
+def _run_warps(runner: HeadRunner, todo: list[int], workers: int):
     """The warps' results in order, over ``workers`` processes when there are several warps."""
     if workers > 1 and len(todo) > 1:
         n_proc = min(workers, os.cpu_count() or 1, len(todo))

@@ -139,11 +139,16 @@ class Config:
         p2_out = "exact" if self.mma == "exact" else self.p2_accum
         return constants.est_consts(d, p2_out, self.quant_p)
 
-    # Each toggle a pass reads, lowered here once: the emulator (P1Mode, P2Mode) and the kernel's
-    # parameter structs (apa_gpu/plan.py) take the same values by the same names.
+    # Each toggle a pass reads, lowered here once: the emulator (its prep, P1Mode, P2Mode) and the
+    # kernel's parameter structs (apa_gpu/plan.py) take the same values by the same names.
+    def flags(self) -> constants.Flags:
+        """Every toggle, lowered by the methods below: what the emulator's prep and passes read."""
+        return constants.Flags(self.prep_flags(), self.pass1_flags(), self.pass2_flags(), self.model_flags())
+
     def prep_flags(self) -> constants.PrepFlags:
         """§5's toggles, as cuda/apa.cu PrepParams carries them."""
-        q_mode = 2 if not self.quant_q else 1 if self.q_format == "fp8" else 0
+        q_mode = (constants.Q_OFF if not self.quant_q
+                  else constants.Q_FP8 if self.q_format == "fp8" else constants.Q_NVFP4)
         return constants.PrepFlags(
             q_mode=q_mode, q_terms=self.q_terms, quant_k=self.quant_k, quant_v=self.quant_v,
             lsq=self.block_scale == "lsq", interleaved=self.p_groups == "interleaved", v_f16=self.v_f16,
@@ -161,6 +166,11 @@ class Config:
     def pass2_flags(self) -> constants.Pass2Flags:
         """§8–9's toggles, as cuda/pass2.cuh Pass2Args carries them."""
         return constants.Pass2Flags(all_hot=self.eps < 0, fma=self.fma, direct=self.pass1_flags().direct)
+
+    def model_flags(self) -> constants.ModelFlags:
+        """The MMA (§3), exp2 (§2) and pass-2 accumulator (§8.5) models, which no kernel struct carries."""
+        return constants.ModelFlags(model=constants.MODELS[self.mma], soft=self.exp2 == "soft",
+                                    f32_out=self.p2_accum == "f32")
 
     @classmethod
     def seed(cls, **changes) -> "Config":

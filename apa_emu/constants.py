@@ -77,9 +77,18 @@ def cert_consts(d: int, p2_out: str, fast: bool, delta: float) -> CertConsts:
                       F32(2.0**-6 if fast else 0.0), F32(delta))
 
 
+def _lower(flags, mode, *more, **rest):
+    """The NamedTuple class ``mode`` (an emulator pass's switches) with each field these flags, or the
+    flag tuples ``more``, name taken from them, the others from ``rest``: a flag reaches the emulator
+    without being passed on."""
+    named = {f: getattr(t, f) for t in (flags, *more) for f in t._fields if f in mode._fields}
+    return mode(**named, **rest)
+
+
 # The toggles a kernel reads at run time, lowered from a Config once (Config.prep_flags, pass1_flags,
 # pass2_flags): the field names are the kernel structs' members (cuda/apa.cu PrepParams, cuda/pass1.cuh
-# Pass1Args, cuda/pass2.cuh Pass2Args), and the emulator's P1Mode and P2Mode take theirs by name (``flags.lower(P1Mode, ...)``).
+# Pass1Args, cuda/pass2.cuh Pass2Args), and the emulator's P1Mode and P2Mode take theirs by name
+# (``flags.lower(P1Mode, ...)``).
 class PrepFlags(NamedTuple):
     """§5 toggles of the prep steps."""
 
@@ -93,6 +102,11 @@ class PrepFlags(NamedTuple):
     p2_lanes: bool  # §5.3: the pass-2 row shift in the seed's four lane sums (config p2_shift)
     pad_vote: bool  # §6.2: padding rows get row R − 1's Q̂ and c_q, to vote with
     fma: bool  # §1.8: the seed's FMA sites
+
+    lower = _lower
+
+
+Q_NVFP4, Q_FP8, Q_OFF = 0, 1, 2  # PrepFlags.q_mode
 
 
 class Pass1Flags(NamedTuple):
@@ -108,6 +122,8 @@ class Pass1Flags(NamedTuple):
     pad_vote: bool  # padding rows vote (§6.2)
     direct: bool  # direct_store with pass 1 run (§9.5): a warp with no hot tile exports o ⊗ (vg ⊘ lc)
 
+    lower = _lower
+
 
 class Pass2Flags(NamedTuple):
     """§8–9 toggles of pass 2 and the merge."""
@@ -116,12 +132,27 @@ class Pass2Flags(NamedTuple):
     fma: bool  # the seed's FMA sites (§1.8): §8.1 x, §9.3–9.4
     direct: bool  # Pass1Flags.direct: a warp with no hot tile stores f16(part), not the merge (§9.5)
 
-
-def _lower(flags, mode, **rest):
-    """The NamedTuple class ``mode`` (an emulator pass's switches) with each field these flags name
-    taken from them, the others from ``rest``: a flag reaches the emulator without being passed on."""
-    return mode(**{f: getattr(flags, f) for f in mode._fields if f in flags._fields}, **rest)
+    lower = _lower
 
 
-for _flags in (PrepFlags, Pass1Flags, Pass2Flags):
-    _flags.lower = _lower
+SM90, SM120, EXACT = 0, 1, 2  # ModelFlags.model: the MMA models of §3
+MODELS = {"sm90": SM90, "sm120": SM120, "exact": EXACT}
+
+
+class ModelFlags(NamedTuple):
+    """The arithmetic models no kernel struct carries (Config.model_flags): the MMA, which only the
+    emulator varies (apa_gpu runs SM90 alone), and the two the kernel is built with (apa_gpu/build.py
+    Variant). P1Mode and P2Mode take them by name too (``flags.lower(P1Mode, model_flags, ...)``)."""
+
+    model: int  # §3: SM90, SM120 (FP4 block-scaled, its codes kept) or EXACT (binary32 throughout)
+    soft: bool  # §2: exp2s, else the fast mode (Variant exp2_fast)
+    f32_out: bool  # §8.5: pass 2's O in binary32 (p2_accum "f32", Variant p2_f32), else FP16
+
+
+class Flags(NamedTuple):
+    """Every toggle of one Config, lowered once (Config.flags): what the emulator's prep and passes read."""
+
+    prep: PrepFlags
+    pass1: Pass1Flags
+    pass2: Pass2Flags
+    model: ModelFlags

@@ -116,10 +116,10 @@ def warp_of(row: int, head: int, G: int) -> tuple[int, int]:
     return head // G, (row * G + head % G) // ROWS
 
 
-def visit_order(first_tile: int, last_tile: int, tile_order: str) -> np.ndarray:
-    """Pass 1's visiting order of tiles F_w .. T_w (§6.4): diagonal is tile 0 first when it is
-    active, then the diagonal backwards; ascending is F_w .. T_w."""
-    if tile_order == "diagonal":
+def visit_order(first_tile: int, last_tile: int, ascending: bool) -> np.ndarray:
+    """Pass 1's visiting order of tiles F_w .. T_w (§6.4; Pass1Flags.ascending): diagonal is tile 0
+    first when it is active, then the diagonal backwards; ascending is F_w .. T_w."""
+    if not ascending:
         sink = [0] if first_tile == 0 else []
         return np.array([*sink, *range(last_tile, max(first_tile, 1) - 1, -1)], dtype=np.int64)
     return np.arange(first_tile, last_tile + 1, dtype=np.int64)

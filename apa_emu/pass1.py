@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from .constants import EXACT, SM120
 from .formats import E2M1_VALUES, e2m1_code, ue4m3_value
 from .fpmath import LG2, exp2, f16r, fma32
 from .geometry import GROUP, GROUPS, ROWS, TILE
@@ -23,8 +24,6 @@ from .mma import mma_exact, mma_sm90_f32, mma_sm120
 
 F32 = np.float32
 NEG_INF = np.float32(-np.inf)
-SM90, SM120, EXACT = 0, 1, 2
-MODELS = {"sm90": SM90, "sm120": SM120, "exact": EXACT}
 ONE_CODE, ONE_SCALE = np.uint8(2), np.uint8(0x38)  # E2M1 1.0 and UE4M3 1.0: the §7.6 ones (sm120)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import formats
 from .config import Config
+from .constants import EXACT, Q_FP8, Q_OFF, SM120, Flags, PrepFlags
 from .fpmath import fma32_arrays, up2
 from .geometry import TILE, cdiv
 from .kvstate import Stats, overflows
@@ -59,13 +60,19 @@ class Prepared:
     v_scales_t: np.ndarray | None = None  # [Hkv, T, d, 4]
 
 
-def slot_keys(p_groups: str) -> np.ndarray:
+def slot_map(interleaved: bool) -> np.ndarray:
     """Key (within a tile) held by each of the 64 slots; group g is slots 16g..16g+15 (§7.3)."""
-    if p_groups == "consecutive":
-        return np.arange(TILE)
     t = np.arange(TILE)
+    if not interleaved:
+        return t
     g = 2 * (t // 32) + (t // 4) % 2
     return np.concatenate([t[g == i] for i in range(4)])
+
+
+def slot_keys(p_groups: str) -> np.ndarray:
+    """``slot_map`` of a config's ``p_groups`` by its name, as apa_emu.call exports it to a reader of
+    the kernel's images."""
+    return slot_map(p_groups == "interleaved")
 
 
 def pack_rows(q: np.ndarray, Hkv: int) -> np.ndarray:
@@ -113,9 +120,9 @@ def _fold(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return formats.dequantize_blocks(codes, scales)
 
 
-def operand(x: np.ndarray, cfg: Config) -> np.ndarray:
+def operand(x: np.ndarray, model: int) -> np.ndarray:
     """§5.6: an unquantized pass-1 operand enters at FP16 under `sm90`/`sm120`, as binary32 under `exact`."""
-    return x if cfg.mma == "exact" else _f16(x)
+    return x if model == EXACT else _f16(x)
 
 
 def prep_stats(k: np.ndarray, v: np.ndarray):
@@ -183,43 +190,43 @@ def nrm(a: np.ndarray) -> np.ndarray:
     return np.sqrt(ss + NRM_FLOOR) * NRM_UP
 
 
-def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32, cfg: Config, fp4: dict):
+def prep_q(q16: np.ndarray, kmean: np.ndarray, kg: np.ndarray, qmul: np.float32, flags: Flags, fp4: dict):
     """§5.3 per packed row: Q̂ (NVFP4 in one or two terms, FP8, or unquantized), c_q and the pass-2
     row shift sh = (q·k̄ summed sequentially over channels) ⊗ qmul; and §5.7's qn, eq, q2n."""
-    lsq = cfg.block_scale == "lsq"
+    f, model = flags.prep, flags.model.model
     x = q16 * qmul
     am = np.abs(x).max(axis=2, keepdims=True)
-    if cfg.quant_q and cfg.q_format == "fp8":
+    if f.q_mode == Q_FP8:
         qr = np.maximum(am, TINY) / E4M3_MAX
         x = x / qr
         qhat = qeff = formats.e4m3_values(formats.e4m3_codes(x))
     else:
         qr = np.maximum(am, TINY) / QMAX
         x = x / qr
-        if not cfg.quant_q:
-            qhat = qeff = operand(x, cfg)
+        if f.q_mode == Q_OFF:
+            qhat = qeff = operand(x, model)
         else:
-            c1, s1 = formats.quantize_blocks(x, lsq)
+            c1, s1 = formats.quantize_blocks(x, f.lsq)
             q1 = _fold(c1, s1)
-            if cfg.q_terms == 1:
+            if f.q_terms == 1:
                 qhat = qeff = q1
                 qc, qs = [c1], [s1]
             else:
-                c2, s2 = formats.quantize_blocks(x - q1, lsq)
+                c2, s2 = formats.quantize_blocks(x - q1, f.lsq)
                 qsum = q1 + _fold(c2, s2)  # exact in binary32 (§5.3)
-                qhat, qc, qs = operand(qsum, cfg), [c1, c2], [s1, s2]
-                qeff = qsum if cfg.mma == "sm120" else qhat  # what the score chain multiplies (§5.7)
-            if cfg.mma == "sm120":
+                qhat, qc, qs = operand(qsum, model), [c1, c2], [s1, s2]
+                qeff = qsum if model == SM120 else qhat  # what the score chain multiplies (§5.7)
+            if model == SM120:
                 fp4.update(q_codes=np.stack(qc), q_scales=np.stack(qs))
     qstat = np.stack([nrm(qeff), nrm(x - qeff), nrm(q16)], axis=-1)
-    return qhat.astype(F32), qr[..., 0] * kg[:, None], row_shift(q16, kmean, cfg) * qmul, qstat
+    return qhat.astype(F32), qr[..., 0] * kg[:, None], row_shift(q16, kmean, f) * qmul, qstat
 
 
-def row_shift(q16: np.ndarray, kmean: np.ndarray, cfg: Config) -> np.ndarray:
+def row_shift(q16: np.ndarray, kmean: np.ndarray, flags: PrepFlags) -> np.ndarray:
     """§5.3's q·k̄ per packed row (before ⊗ qmul): sequential over channels, or under ``p2_shift="lanes"``
     the seed's four lane sums of channel pairs (each pair fused under ``fma``), added in pairs."""
     km = np.broadcast_to(kmean[:, None], q16.shape)
-    if cfg.p2_shift == "sequential":
+    if not flags.p2_lanes:
         sh = np.zeros(q16.shape[:2], F32)
         for c in range(q16.shape[2]):
             sh = sh + q16[:, :, c] * km[:, :, c]
@@ -230,7 +237,7 @@ def row_shift(q16: np.ndarray, kmean: np.ndarray, cfg: Config) -> np.ndarray:
             for t0 in range(4):
                 c = k16 + h + 2 * t0
                 right = q16[:, :, c + 1] * km[:, :, c + 1]
-                if cfg.fma:
+                if flags.fma:
                     pair = fma32_arrays(np.ascontiguousarray(q16[:, :, c]), np.ascontiguousarray(km[:, :, c]), right)
                 else:
                     pair = q16[:, :, c] * km[:, :, c] + right
@@ -238,46 +245,46 @@ def row_shift(q16: np.ndarray, kmean: np.ndarray, cfg: Config) -> np.ndarray:
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
 
 
-def _pass1_operand(x: np.ndarray, quant: bool, cfg: Config, fp4: dict, codes_name: str, scales_name: str):
+def _pass1_operand(x: np.ndarray, quant: bool, flags: Flags, fp4: dict, codes_name: str, scales_name: str):
     """A pass-1 K or V image: quant16 per 16 values of the last axis, folded to values (§4.4–4.5; `sm120`
     keeps the codes and scales too), or the unquantized operand (§5.6)."""
     if not quant:
-        return np.ascontiguousarray(operand(x, cfg), dtype=F32)
-    codes, scales = formats.quantize_blocks(x, cfg.block_scale == "lsq")
-    if cfg.mma == "sm120":
+        return np.ascontiguousarray(operand(x, flags.model.model), dtype=F32)
+    codes, scales = formats.quantize_blocks(x, flags.prep.lsq)
+    if flags.model.model == SM120:
         fp4.update({codes_name: codes, scales_name: scales})
     return _fold(codes, scales)
 
 
-def prep_k(k16: np.ndarray, S: int, first_key: int, kmean: np.ndarray, kg: np.ndarray, cfg: Config, fp4: dict):
+def prep_k(k16: np.ndarray, S: int, first_key: int, kmean: np.ndarray, kg: np.ndarray, flags: Flags, fp4: dict):
     """§5.4: K̂ [Hkv, T*64, d] of (K ⊖ kmean) ⊗ (1/kg), keys ≥ S zero; and §5.7's kn, ek, km, ekm [Hkv, 4]
     over the keys first_key .. S − 1."""
     xk = k16 - kmean[:, None]
     xk *= (F32(1) / kg)[:, None, None]
     xk[:, S:] = 0
-    khat = _pass1_operand(xk, cfg.quant_k, cfg, fp4, "k_codes", "k_scales")
+    khat = _pass1_operand(xk, flags.prep.quant_k, flags, fp4, "k_codes", "k_scales")
     seen = slice(first_key, S)
     n0, n1 = nrm(khat[:, seen]), nrm(xk[:, seen] - khat[:, seen])
     return khat, np.stack([n0.max(axis=1), n1.max(axis=1), norm_mean(n0), norm_mean(n1)], axis=-1)
 
 
-def prep_v(v16_t: np.ndarray, vg: np.ndarray, cfg: Config, fp4: dict) -> np.ndarray:
+def prep_v(v16_t: np.ndarray, vg: np.ndarray, flags: Flags, fp4: dict) -> np.ndarray:
     """§5.5: V̂ᵀ [Hkv, T, d, 64] of V ⊗ (1/vg) per tile (rounded to FP16 under ``v_f16``), keys in
     slot order (§7.3)."""
-    xv_t = v16_t[..., slot_keys(cfg.p_groups)]
+    xv_t = v16_t[..., slot_map(flags.prep.interleaved)]
     xv_t *= (F32(1) / vg)[:, None, None, None]
-    if cfg.v_f16:
+    if flags.prep.v_f16:
         xv_t = _f16(xv_t)
-    return _pass1_operand(xv_t, cfg.quant_v, cfg, fp4, "v_codes_t", "v_scales_t")
+    return _pass1_operand(xv_t, flags.prep.quant_v, flags, fp4, "v_codes_t", "v_scales_t")
 
 
-def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int) -> np.ndarray:
+def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, interleaved: bool, first_key: int) -> np.ndarray:
     """§5.7's vn, ev, vm, evm [Hkv, 4] over the keys first_key .. S − 1, from the FP16 values v [S, Hkv, d]
     and V̂ᵀ in slot order (the means of the norms over vg, ⊗ vg: exact, vg being a power of two)."""
     S, Hkv, d = v.shape
     Hk, T = vhat_t.shape[:2]
     vhat = np.empty_like(vhat_t)
-    vhat[..., slot_keys(p_groups)] = vhat_t  # back to key order
+    vhat[..., slot_map(interleaved)] = vhat_t  # back to key order
     vh = (vhat.transpose(0, 1, 3, 2).reshape(Hk, T * TILE, d)[:, first_key:S] * vg[:, None, None])  # exact: 2^k
     v32 = v[first_key:].astype(F32).transpose(1, 0, 2)
     n3, n4 = nrm(v32), nrm(v32 - vh)
@@ -285,13 +292,13 @@ def v_stats(v: np.ndarray, vhat_t: np.ndarray, vg: np.ndarray, p_groups: str, fi
     return np.stack([n3.max(axis=1), n4.max(axis=1), norm_mean(n3 * inv) * vg, norm_mean(n4 * inv) * vg], axis=-1)
 
 
-def value_weights(v: np.ndarray, vg: np.ndarray, p_groups: str, first_key: int, T: int) -> np.ndarray:
+def value_weights(v: np.ndarray, vg: np.ndarray, interleaved: bool, first_key: int, T: int) -> np.ndarray:
     """§5.8's ν [Hkv, T, 64] in slot order: f16(nrm(v) ⊗ (1 ⊘ vg)) for the keys first_key .. S − 1, else
     +0 (the output hot test's weights)."""
     S, Hkv, _ = v.shape
     nu = np.zeros((Hkv, T * TILE), F32)
     nu[:, first_key:S] = _f16(nrm(v[first_key:].astype(F32).transpose(1, 0, 2)) * (F32(1) / vg)[:, None])
-    return np.ascontiguousarray(nu.reshape(Hkv, T, TILE)[..., slot_keys(p_groups)])
+    return np.ascontiguousarray(nu.reshape(Hkv, T, TILE)[..., slot_map(interleaved)])
 
 
 def prep_bytes(S: int, d: int) -> int:
@@ -303,10 +310,19 @@ def prep_bytes(S: int, d: int) -> int:
 
 def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Config, first_key: int = 0,
             stats=None) -> Prepared:
-    """Prep (§5) for one batch entry. q [n, H, d], k and v [S, Hkv, d], all float16, already validated.
-    ``first_key``: lo₀, the first key any row sees (§5.5; 0 without a window): the key statistics of
-    §5.7 start there. (The images below its tile are formed here all the same: nothing reads them.)
-    ``stats``: (kmean [Hkv, d], kg [Hkv], vg [Hkv]) of a frozen chunk (§5.9) instead of §5.1–5.2's."""
+    """``prepare_lowered`` under ``cfg``, its flags and qmul taken here: for a caller that holds a
+    Config (a run lowers it once for all its heads)."""
+    return prepare_lowered(q, k, v, q_offset, cfg.flags(), cfg.qmul(q.shape[2]), first_key, stats)
+
+
+def prepare_lowered(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, flags: Flags, qmul: np.float32,
+                    first_key: int = 0, stats=None) -> Prepared:
+    """Prep (§5) for one batch entry under a Config's lowered ``flags`` (Config.flags) and §5.3's
+    ``qmul`` (Config.qmul), as the kernel's prep takes them. q [n, H, d], k and v [S, Hkv, d], all
+    float16, already validated. ``first_key``: lo₀, the first key any row sees (§5.5; 0 without a
+    window): the key statistics of §5.7 start there. (The images below its tile are formed here all
+    the same: nothing reads them.) ``stats``: (kmean [Hkv, d], kg [Hkv], vg [Hkv]) of a frozen chunk
+    (§5.9) instead of §5.1–5.2's."""
     n, H, d = q.shape
     S, Hkv, _ = k.shape
     T = cdiv(S, TILE)
@@ -318,18 +334,17 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_offset: int, cfg: Con
     for t in range(T):  # tile by tile, so no full-size temporary of V
         keys = v[TILE * t:TILE * (t + 1)]
         v16_t[:, t, :, :keys.shape[0]] = keys.transpose(1, 2, 0)
-    qmul = cfg.qmul(d)
     fp4 = {}  # sm120 only: the codes and scales its MMA multiplies (§3.2)
     q16 = pack_rows(q.astype(F32), Hkv)  # [Hkv, R, d]
-    qhat, cq, sh, qstat = prep_q(q16, kmean, kg, qmul, cfg, fp4)
-    khat, ks = prep_k(k16, S, first_key, kmean, kg, cfg, fp4)
-    vhat_t = prep_v(v16_t, vg, cfg, fp4)
-    vs = v_stats(v, vhat_t, vg, cfg.p_groups, first_key)
+    qhat, cq, sh, qstat = prep_q(q16, kmean, kg, qmul, flags, fp4)
+    khat, ks = prep_k(k16, S, first_key, kmean, kg, flags, fp4)
+    vhat_t = prep_v(v16_t, vg, flags, fp4)
+    vs = v_stats(v, vhat_t, vg, flags.prep.interleaved, first_key)
     kvstat = np.concatenate([ks[:, :2], nrm(k16[:, first_key:S]).max(axis=1)[:, None], vs[:, :2], ks[:, 2:],
                              vs[:, 2:]], axis=-1).astype(F32)
     return Prepared(
         d=d, G=H // Hkv, n=n, S=S, q_offset=q_offset, qmul=qmul, kmean=kmean, kg=kg, vg=vg,
         q16=q16, qhat=qhat, cq=cq, sh=sh, khat=khat, vhat_t=vhat_t,
         k16=k16, v16_t=v16_t, qstat=qstat, kvstat=kvstat,
-        nu_t=value_weights(v, vg, cfg.p_groups, first_key, T) if cfg.hot_test == "output" else None, **fp4,
+        nu_t=value_weights(v, vg, flags.prep.interleaved, first_key, T) if flags.pass1.output else None, **fp4,
     )

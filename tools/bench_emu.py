@@ -2,6 +2,9 @@
 
     python tools/bench_emu.py [--keys 122880] [--models sm90 exact] [--reps 3]
 
+with apa_emu importable (installed, or PYTHONPATH at the checkout). It times through the public
+``apa_emu.prep.prepare_lowered`` and ``apa_emu.api.HeadRunner``, as a call runs each KV head.
+
 1. One warp: 16 packed rows at the end of the context (one head), so it visits every tile. Prep of
    its KV head is timed apart from the warp (prep is shared by all warps of a head). Wall and CPU
    seconds per run, median over ``--reps``; single process, after a warm-up that compiles Numba.
@@ -16,17 +19,13 @@ import argparse
 import platform
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apa_emu import Config, attention  # noqa: E402
-from apa_emu.api import _Runner  # noqa: E402
-from apa_emu.geometry import Shape  # noqa: E402
-from apa_emu.prep import prepare  # noqa: E402
-from apa_emu.study.synth import synthetic, synthetic_preset  # noqa: E402
+from apa_emu import Config, attention
+from apa_emu.api import HeadRunner
+from apa_emu.geometry import Shape
+from apa_emu.prep import prepare_lowered
+from apa_emu.study.synth import synthetic, synthetic_preset
 
 
 def peak_rss_gib() -> float:
@@ -42,12 +41,13 @@ def timed(fn):
 def one_warp(keys: int, model: str, reps: int):
     dump = synthetic(16, keys, 1, 1, 128, seed=1, q_offset=keys - 16)
     cfg = Config(mma=model)
+    flags, qmul = cfg.flags(), cfg.qmul(128)
+    shape = Shape(1, 16, 1, 1, keys, 128, dump.q_offset)
     prep_t, warp_t = [], []
     for _ in range(reps):
-        prep, wall, cpu = timed(lambda: prepare(dump.q, dump.k, dump.v, dump.q_offset, cfg))
+        prep, wall, cpu = timed(lambda: prepare_lowered(dump.q, dump.k, dump.v, dump.q_offset, flags, qmul))
         prep_t.append((wall, cpu))
-        shape = Shape(1, 16, 1, 1, keys, 128, dump.q_offset)
-        runner = _Runner(shape, 0, 0, prep, cfg, None)
+        runner = HeadRunner(shape, 0, 0, prep, cfg, flags)
         res, wall, cpu = timed(lambda: runner.run(0))
         warp_t.append((wall, cpu))
     return prep_t, warp_t, res.nhot / res.active

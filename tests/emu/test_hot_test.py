@@ -12,11 +12,11 @@ from hyp import Seen, examples
 
 import apa_emu.prep
 from apa_emu import Config, attention
-from apa_emu.api import _Runner
+from apa_emu.api import HeadRunner
 from apa_emu.geometry import GROUPS, ROWS, TILE, Shape
 from apa_emu.merge import budget_beta
 from apa_emu.pass1 import p1_frame, p1_phat, p1_scores
-from apa_emu.prep import prep_stats, prepare, slot_keys, value_weights
+from apa_emu.prep import prep_stats, prepare, slot_map, value_weights
 from apa_emu.problems import make_inputs
 
 F32 = np.float32
@@ -45,10 +45,11 @@ def test_value_weights_against_float64_norms(S, d, first, groups, amp, seed):
     k = np.zeros_like(v)
     _, _, vg = prep_stats(k, v)
     T = -(-S // 64)
-    nu = value_weights(v, vg, groups, first, T)
+    interleaved = Config(p_groups=groups).prep_flags().interleaved
+    nu = value_weights(v, vg, interleaved, first, T)
     assert nu.shape == (2, T, 64) and nu.dtype == F32
     by_key = np.empty_like(nu)
-    by_key[..., slot_keys(groups)] = nu
+    by_key[..., slot_map(interleaved)] = nu
     by_key = by_key.reshape(2, T * 64)
     exact = np.linalg.norm(v.astype(np.float64), axis=2).T / vg.astype(np.float64)[:, None]  # [2, S]
     got = by_key[:, first:S].astype(np.float64)
@@ -129,7 +130,7 @@ def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
     zero_s = np.zeros((ROWS, TILE), F32)
     for hk in range(Hkv):
         prep = prepare(q[:, hk * G:(hk + 1) * G], k[:, hk:hk + 1], v[:, hk:hk + 1], off, cfg, first_key=0)
-        runner = _Runner(shape, 0, hk, prep, cfg, None)
+        runner = HeadRunner(shape, 0, hk, prep, cfg, cfg.flags())
         mode, consts = runner.mode, runner.consts
         for w in range(shape.nw):
             wr = shape.warp_rows(w)

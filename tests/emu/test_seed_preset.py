@@ -145,10 +145,10 @@ def test_lane_shift_follows_the_seeds_lanes(fma):
     q16 = (rng.standard_normal((1, 40, 128)) * 4).astype(np.float16).astype(F32)
     kmean = (rng.standard_normal((1, 128)) * 2.0 ** rng.integers(-8, 8, (1, 128))).astype(F32)
     cfg = Config(p2_shift="lanes", fma=fma)
-    got = row_shift(q16, kmean, cfg)[0]
+    got = row_shift(q16, kmean, cfg.prep_flags())[0]
     want = np.array([_seed_lane_shift(q16[0, r], kmean[0], fma) for r in range(40)], F32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert (got != row_shift(q16, kmean, Config())[0]).any()
+    assert (got != row_shift(q16, kmean, Config().prep_flags())[0]).any()
 
 
 def test_lane_shift_by_hand():
@@ -160,13 +160,13 @@ def test_lane_shift_by_hand():
     q = np.ones((1, 1, 64), F32)
     km = np.zeros((1, 64), F32)
     km[0, 0], km[0, 4], km[0, 6] = 2.0**24, 1, 1
-    assert float(row_shift(q, km, Config())[0, 0]) == 2.0**24
-    assert float(row_shift(q, km, Config(p2_shift="lanes"))[0, 0]) == 2.0**24 + 2
+    assert float(row_shift(q, km, Config().prep_flags())[0, 0]) == 2.0**24
+    assert float(row_shift(q, km, Config(p2_shift="lanes").prep_flags())[0, 0]) == 2.0**24 + 2
     q[0, 0, 0] = 1 + 2.0**-10
     km[:] = 0
     km[0, 0], km[0, 1] = 1 + 2.0**-14, 2.0**-24
     for fma, want in ((False, 1 + 2.0**-10 + 2.0**-14), (True, 1 + 2.0**-10 + 2.0**-14 + 2.0**-23)):
-        assert float(row_shift(q, km, Config(p2_shift="lanes", fma=fma))[0, 0]) == want
+        assert float(row_shift(q, km, Config(p2_shift="lanes", fma=fma).prep_flags())[0, 0]) == want
 
 
 def _pad_vote_problem():
