@@ -191,7 +191,10 @@ def test_budget_test_follows_its_rule():
     @given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 3), st.sampled_from([64, 128]),
            st.integers(64, 800), st.sampled_from(["sink", "normal", "diffuse"]),
            st.sampled_from([0.003, 0.01, 0.03, 0.1]), st.sampled_from(["diagonal", "ascending"]))
+    # the examples meet every required case whatever the draws: the sink problem hot and cold tiles,
+    # the normal one, in ascending order, a row that fits its budget cold and then spends it
     @example(16, 40, 3, 64, 700, "sink", 0.02, "diagonal")
+    @example(1, 16, 2, 64, 500, "normal", 0.01, "ascending")
     def prop(seed, n, G, d, S, structure, eps, order):
         q, k, v = make_inputs(seed, 1, n, 1, G, d, max(S, n), structure, batched=False)
         _check_budget_rule(q, k, v, max(S, n) - n, Config(eps=eps, hot_test="budget", tile_order=order), seen)
