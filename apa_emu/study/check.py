@@ -250,8 +250,8 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
             if not outcome.passed:
                 failures.append((problem, cfg, options, words, outcome))
                 raise _Failed
-            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst()[1] >
-                                                         worst[0].worst()[1]):
+            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst_rel >
+                                                         worst[0].worst_rel):
                 worst[0] = outcome.report
                 worst[0].problem = f"{problem.describe()}, {cfg}{words}"
         if progress and not failures:
