@@ -25,7 +25,7 @@ from . import api
 from . import trace as tr
 from .call import logical_kv, owner, resolve_call
 from .config import Config
-from .engines import EngineError, as_result
+from .engines import EngineError, as_result, guarded
 from .prep import prepare
 
 canon_nan = tr.canonical_nan
@@ -263,14 +263,8 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     theirs = resolve_call(*args, trace=want if traced else None,
                           warps=warps if "warps" in engine.features else None, **kwargs)
     emu = api.run(call, cfg, workers=workers)
-    try:
+    with guarded(f"engine {engine.name} raised"):
         res = engine.run(theirs, cfg, **(options or {}))
-    except EngineError:
-        raise
-    except Exception as e:  # the engine's own code: whatever it raises is reported in one line
-        text = str(e).strip().splitlines()
-        raise EngineError(f"engine {engine.name} raised {type(e).__name__}: {text[0] if text else '(no message)'}") \
-            from e
     res = as_result(engine.name, res, theirs, cfg)
     if traced and (res.visits is None or res.rows is None):
         raise EngineError(f"engine {engine.name} claims 'trace' but returned no trace records (visits, rows)")
