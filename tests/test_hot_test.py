@@ -116,6 +116,19 @@ def _scale(x, to):
         return np.where(x == to, 1.0, np.exp2(x.astype(np.float64) - to.astype(np.float64)))
 
 
+def _judge(over, fits, hot: bool, seen, where: str) -> None:
+    """A visit's verdict against the rule: hot when a row is over budget, cold when every row fits;
+    between the two, counted only."""
+    if over.any():
+        assert hot, f"{where}: rows {np.flatnonzero(over)} over budget, tile cold"
+        seen["over_budget_hot"] += 1
+    elif fits.all():
+        assert not hot, f"{where}: every row within budget, tile hot"
+        seen["within_budget_cold"] += 1
+    else:
+        seen["borderline"] += 1
+
+
 def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
     """Replays every warp's visits (the trace's frames, the emulator's own P̂ per visit) and holds each
     verdict against the rule of §7.7 in float64: hot where a row's ((ws·a²) + t2) exceeds βr·L² by more
@@ -157,14 +170,7 @@ def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
                 lhs, rhs = ws * a * a + t2, beta * big * big
                 over, fits = ok & (lhs > rhs * (1 + tol)), ~ok | (lhs < rhs * (1 - tol)) | (lhs == 0)
                 hot = bool(rec["hot"])
-                if over.any():
-                    assert hot, f"hk {hk} warp {w} tile {t}: rows {np.flatnonzero(over)} over budget, tile cold"
-                    seen["over_budget_hot"] += 1
-                elif fits.all():
-                    assert not hot, f"hk {hk} warp {w} tile {t}: every row within budget, tile hot"
-                    seen["within_budget_cold"] += 1
-                else:
-                    seen["borderline"] += 1
+                _judge(over, fits, hot, seen, f"hk {hk} warp {w} tile {t}")
                 if hot:
                     seen["spent_budget"] += int((over & fit_cold).sum())  # cold earlier, then over budget and hot
                 else:
