@@ -19,7 +19,9 @@ DESCRIPTION = ("run an engine and the emulator on a dump (every warp, or --warps
                "hot masks, every trace field the engine returns) when the engine claims bit-exactness, else in "
                "tolerance (ULP distances, relative L2 and cosine per pair, and where they concentrate). Exit 0 when "
                "they agree; else print the first divergence or the report, and the one command that replays it, "
-               "and exit 1. docs/engines.md says how to wrap a kernel as an engine")
+               "and exit 1. The last line is the verdict: PASS or FAIL, with how many passed and failed. An engine "
+               "that raises or exits (SystemExit included) is an error of one line, exit 2. docs/engines.md says "
+               "how to wrap a kernel as an engine")
 EPILOG = common.config_epilog()
 
 
