@@ -25,7 +25,7 @@ from . import api
 from . import trace as tr
 from .call import logical_kv, owner, resolve_call
 from .config import Config
-from .engines import EngineError, as_result
+from .engines import EngineError, as_result, guarded
 from .prep import prepare
 
 canon_nan = tr.canonical_nan
@@ -263,14 +263,8 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     theirs = resolve_call(*args, trace=want if traced else None,
                           warps=warps if "warps" in engine.features else None, **kwargs)
     emu = api.run(call, cfg, workers=workers)
-    try:
+    with guarded(f"engine {engine.name} raised"):
         res = engine.run(theirs, cfg, **(options or {}))
-    except EngineError:
-        raise
-    except Exception as e:  # the engine's own code: whatever it raises is reported in one line
-        text = str(e).strip().splitlines()
-        raise EngineError(f"engine {engine.name} raised {type(e).__name__}: {text[0] if text else '(no message)'}") \
-            from e
     res = as_result(engine.name, res, theirs, cfg)
     if traced and (res.visits is None or res.rows is None):
         raise EngineError(f"engine {engine.name} claims 'trace' but returned no trace records (visits, rows)")
@@ -289,8 +283,7 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
 def _adopt_elsewhere(call, emu, res) -> None:
     """The emulator ran the chosen warps only: elsewhere its per-pair arrays and hot masks become the
     engine's, so that only the chosen warps are compared."""
-    lead = np.asarray(emu.out).shape[:-1]
-    chosen = np.array([owner(call, idx)[0] in call.warps for idx in np.ndindex(*lead)], bool).reshape(lead)
+    chosen = _computed(call, np.asarray(emu.out).shape[:-1])
     for f in _array_fields(emu):
         theirs = getattr(res, f)
         if theirs is not None and np.shape(theirs) == getattr(emu, f).shape:
@@ -299,6 +292,13 @@ def _adopt_elsewhere(call, emu, res) -> None:
         for b, hk, w in np.ndindex(*emu.hot.shape[:3]):
             if (b, hk, w) not in call.warps:
                 emu.hot[b, hk, w] = res.hot[b, hk, w]
+
+
+def _computed(call, lead: tuple) -> np.ndarray:
+    """Which pairs of an output of leading shape ``lead`` the call computes: those of its warps."""
+    if call.warps is None:
+        return np.ones(lead, bool)
+    return np.array([owner(call, idx)[0] in call.warps for idx in np.ndindex(*lead)], bool).reshape(lead)
 
 
 def _with_tile(div, emu):
@@ -340,10 +340,15 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 ULP_EDGES = (0, 1, 2, 4, 16, 64, 256, 1024)  # the histogram's bins: 0, 1, 2-3, 4-15, ..., >= 1024
 
 
+NONFINITE_ULP = 1 << 16  # an element non-finite on one side only, or NaN against ±Inf: past every ULP bin
+FINITE, ALIKE, DIFFER = 0, 1, 2  # a pair's non-finite elements: none, alike on both sides, different
+
+
 class Measures(NamedTuple):
     """Per pair ((row, head)) of a tolerance check: its index into ``out`` without the last axis, its
     relative L2 distance and cosine to the emulator's output, its elements' ULP distances, whether its
-    warp left a tile cold and whether a cold tile set its row's frame."""
+    warp left a tile cold, whether a cold tile set its row's frame, and whether it holds a non-finite
+    element (ALIKE: on both sides, of one kind in the same places; DIFFER: otherwise)."""
 
     index: np.ndarray  # [pairs, k]
     rel: np.ndarray
@@ -351,20 +356,34 @@ class Measures(NamedTuple):
     ulps: np.ndarray  # [pairs, d]
     cold: np.ndarray
     framed_cold: np.ndarray
+    nonfinite: np.ndarray  # [pairs] FINITE, ALIKE or DIFFER
+
+
+def _kind(x: np.ndarray) -> np.ndarray:
+    """0 for a finite element, 1 for NaN, 2 for +Inf, 3 for −Inf."""
+    return np.select([np.isnan(x), x == np.inf, x == -np.inf], [1, 2, 3], 0)
 
 
 def measure(call, emu, out) -> Measures:
-    """``out`` against the emulator's traced Result ``emu`` of ``call``, on the pairs it computed."""
-    e64, o64 = np.asarray(emu.out, np.float64), np.asarray(out, np.float64)
-    computed = np.isfinite(e64).all(axis=-1)
+    """``out`` against the emulator's traced Result ``emu`` of ``call``, on the pairs it computed.
+    Non-finite elements are compared as such (§8.7 lets the emulator's output overflow): a pair whose
+    NaN and ±Inf sit in the same places on both sides is measured on its finite elements, any other
+    non-finite element is a departure beyond every bound (relative L2 +inf, cosine 0)."""
+    computed = _computed(call, np.asarray(emu.out).shape[:-1])
     index = np.argwhere(computed)
-    e, o = e64[computed], o64[computed]
+    e16, o16 = np.asarray(emu.out)[computed], np.asarray(out)[computed]
+    e64, o64 = e16.astype(np.float64), o16.astype(np.float64)
+    ke, ko = _kind(e64), _kind(o64)
+    alike, finite = (ke == ko).all(axis=-1), (ke == 0) & (ko == 0)
+    e, o = np.where(finite, e64, 0.0), np.where(finite, o64, 0.0)
     diff, norm, on = (np.linalg.norm(x, axis=-1) for x in (o - e, e, o))
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(norm > 0, diff / norm, np.where(diff > 0, np.inf, 0.0))
         cos = np.where(norm * on > 0, (o * e).sum(-1) / (norm * on), np.where(diff > 0, 0.0, 1.0))
-    ulps = ulp_distance(np.asarray(emu.out)[computed], np.asarray(out)[computed])
-    return Measures(index, rel, cos, ulps, *_tiles_and_frames(call, emu, index))
+    rel, cos = np.where(alike, rel, np.inf), np.where(alike, cos, 0.0)
+    ulps = np.where(finite, ulp_distance(e16, o16), np.where(ke == ko, 0, NONFINITE_ULP))
+    nonfinite = np.where(finite.all(axis=-1), FINITE, np.where(alike, ALIKE, DIFFER))
+    return Measures(index, rel, cos, ulps, *_tiles_and_frames(call, emu, index), nonfinite)
 
 
 @dataclass
@@ -384,6 +403,7 @@ class ToleranceReport:
     index: np.ndarray
     groups: dict  # name -> {label: (pairs, mean rel L2, max rel L2)}
     problem: str = ""  # the problem it measures, where a report stands for several (the worst of them)
+    nonfinite: tuple = (0, 0)  # pairs with NaN or ±Inf alike on both sides, pairs that differ in them
 
     @classmethod
     def of(cls, parts: list[Measures], bound: float = MAX_REL_L2) -> "ToleranceReport":
@@ -403,23 +423,37 @@ class ToleranceReport:
                                     "set by a hot tile": ~m.framed_cold}),
         }
         return cls(float(bound), len(m.index), hist, int(ulps.max()) if ulps.size else 0, m.rel, m.cos, m.index,
-                   groups)
+                   groups, nonfinite=(int((m.nonfinite == ALIKE).sum()), int((m.nonfinite == DIFFER).sum())))
 
     @property
     def passed(self) -> bool:
         return bool(np.all(self.rel_l2 <= self.bound))
 
-    def worst(self) -> tuple:
+    def worst(self) -> tuple | None:
+        """(pair, relative L2, cosine) of the pair farthest from the emulator; None without pairs."""
+        if not self.pairs:
+            return None
         i = int(np.argmax(self.rel_l2))
         return tuple(int(x) for x in self.index[i]), float(self.rel_l2[i]), float(self.cos[i])
 
+    @property
+    def worst_rel(self) -> float:
+        """The largest relative L2 distance of a pair (−inf without pairs), to rank reports."""
+        return float(self.rel_l2.max()) if self.pairs else -np.inf
+
     def lines(self) -> list[str]:
+        lines = [f"the worst problem: {self.problem}"] if self.problem else []
+        if not self.pairs:
+            return [*lines, "0 pairs: the emulator computed none of the chosen pairs"]
         pair, rel, cos = self.worst()
         hist = ", ".join(f"{label}: {count}" for label, count in self.ulp_histogram.items() if count)
-        lines = [f"the worst problem: {self.problem}"] if self.problem else []
+        alike, differ = self.nonfinite
         lines += [f"{self.pairs} pairs; ULP distance of the output elements: {hist}; max {self.max_ulp}",
-                 f"relative L2 per pair: median {np.median(self.rel_l2):.3g}, max {rel:.3g} at (row, head) "
-                 f"{_pair_words(pair)} (cosine {cos:.6f}); lowest cosine {self.cos.min():.6f}"]
+                  f"relative L2 per pair: median {np.median(self.rel_l2):.3g}, max {rel:.3g} at (row, head) "
+                  f"{_pair_words(pair)} (cosine {cos:.6f}); lowest cosine {self.cos.min():.6f}"]
+        if alike or differ:
+            lines.append(f"non-finite outputs: {alike} pairs hold NaN or ±Inf alike on both sides (measured on "
+                         f"their finite elements), {differ} pairs differ in them")
         for name, parts in self.groups.items():
             words = "; ".join(f"{label}: {count} pairs, mean {mean:.3g}, max {top:.3g}"
                               for label, (count, mean, top) in parts.items())

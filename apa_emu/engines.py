@@ -33,7 +33,7 @@ import dataclasses
 import importlib
 import inspect
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import EntryPoint, entry_points
 
 import numpy as np
@@ -127,6 +127,33 @@ class EngineError(ValueError):
     one line naming the engine and what it did."""
 
 
+class EngineInterrupt(KeyboardInterrupt):
+    """A KeyboardInterrupt out of an engine's own code, named like an EngineError. It stays an
+    interrupt, since a user's Ctrl-C lands in whatever code runs; the ``apa`` command, which sees the
+    signal arrive, tells the two apart."""
+
+
+@contextmanager
+def guarded(words: str, *, errors: bool = True):
+    """Run an engine's own code (its import, construction or call): what it raises leaves as one line,
+    ``words`` then the exception's type and first line. SystemExit and the other exceptions outside
+    Exception become an EngineError, so that a sys.exit(0) in an engine never ends a check as a
+    silent pass, and a KeyboardInterrupt an EngineInterrupt. ``errors``: whether an Exception becomes
+    an EngineError too (False: it passes as it is, to handlers that word the errors of known engines)."""
+    try:
+        yield
+    except (EngineError, EngineInterrupt):
+        raise
+    except KeyboardInterrupt as e:
+        raise EngineInterrupt(f"{words} {type(e).__name__}: {_first_line(e)}") from e
+    except Exception as e:
+        if not errors:
+            raise
+        raise EngineError(f"{words} {type(e).__name__}: {_first_line(e)}") from e
+    except BaseException as e:  # SystemExit above all: an engine that exits has failed
+        raise EngineError(f"{words} {type(e).__name__}: {_first_line(e)}") from e
+
+
 def engine(name: str | None = None, *, features=(), head_dims=HEAD_DIMS, bitexact: bool = False, config=()):
     """Declare what a function engine implements (``wrap`` reads it): its ``name`` (default: the
     function's), the ``features`` it honours (of FEATURES), its ``head_dims``, whether it claims
@@ -168,10 +195,8 @@ class FunctionEngine(Engine):
             if any(key in kwargs for key in _KEYWORDS[feature]):
                 raise EngineError(f"engine {self.name} does not implement {feature} (it declares "
                                   f"{', '.join(sorted(self.features)) or 'no feature'})")
-        try:
+        with guarded(f"engine {self.name} raised"):
             res = type(self).function(*args, config, **kwargs)
-        except Exception as e:  # the user's function: any error is its own, reported in one line
-            raise EngineError(f"engine {self.name} raised {type(e).__name__}: {_first_line(e)}") from e
         if progress:
             progress(1, 1)
         return as_result(self.name, res, call, config)
@@ -256,10 +281,8 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
 def _import(spec: str):
     """``module:callable``, imported; EngineError in one line when it does not import."""
     module, _, attr = spec.partition(":")
-    try:
+    with guarded(f"engine {spec}: cannot import {module}:"):
         obj = importlib.import_module(module)
-    except Exception as e:  # the user's module: whatever it raises on import is reported in one line
-        raise EngineError(f"engine {spec}: cannot import {module}: {type(e).__name__}: {_first_line(e)}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise EngineError(f"engine {spec}: module {module} has no {attr!r}")
@@ -308,4 +331,6 @@ def load(name: str) -> type[Engine]:
     ep = _named().get(name)
     if ep is None:
         raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
-    return _engine_class(name, ep.load())
+    with guarded(f"engine {name}: cannot load {ep.value}:"):
+        obj = ep.load()
+    return _engine_class(name, obj)

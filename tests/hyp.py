@@ -1,10 +1,16 @@
 """Hypothesis budgets and coverage: one profile setting scales every property, and each property
 asserts that its interesting case happened.
 
-``HYPOTHESIS_PROFILE`` picks the profile (``ci`` under CI=true, else ``dev``); ``thorough`` multiplies
-every test's example count by ``THOROUGH``. A property written as ``covering(...)`` collects what each
-example saw and fails when a case it exists for never occurred: a cold-tile property that never met a
-cold tile proves nothing.
+``HYPOTHESIS_PROFILE`` picks the profile. The default is ``ci``, derandomized, so that the README's
+``python -m pytest -q`` and CI run the same examples and a red run is one anyone can repeat. Opt-in:
+``dev``, randomized exploration (each run draws new examples; ``--hypothesis-seed`` picks them);
+``thorough``, randomized with every test's example count multiplied by ``THOROUGH``; ``explicit``,
+only each property's ``@example`` cases.
+
+A property that requires a case (``Seen.require``) collects what each example saw and fails when a
+case it exists for never occurred: a cold-tile property that never met a cold tile proves nothing. Its
+``@example`` cases meet every required case on their own, so no draw can fail it for want of one;
+the ``explicit`` profile checks that they do.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from hypothesis.internal.conjecture import engine
 from apa_emu.testing import Seen  # noqa: F401  (the plugin's, re-exported to the tests that import it here)
 
 THOROUGH = 25
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 SCALE = THOROUGH if PROFILE == "thorough" else 1
 
 
@@ -27,8 +33,8 @@ CI_SHRINK_SECONDS = 60
 
 
 def register_profiles() -> None:
-    # CI sets CI=true, which auto-loads Hypothesis's own "ci" profile (derandomized, no deadline);
-    # every test names its own example count through examples(), so profiles only scale it.
+    # Ours extends Hypothesis's own "ci" profile (derandomized, no deadline, no database); every test
+    # names its own example count through examples(), so profiles only scale it.
     quiet = [HealthCheck.too_slow]
     # One failure shrunk, not one per distinct error, and no explain phase (it reruns the test per
     # argument); the shrink itself is capped by engine.MAX_SHRINKING_SECONDS, which Hypothesis
@@ -40,6 +46,7 @@ def register_profiles() -> None:
         engine.MAX_SHRINKING_SECONDS = CI_SHRINK_SECONDS
     settings.register_profile("dev", deadline=None, suppress_health_check=quiet)
     settings.register_profile("thorough", deadline=None, suppress_health_check=quiet)
+    settings.register_profile("explicit", deadline=None, suppress_health_check=quiet, phases=[Phase.explicit])
     settings.load_profile(PROFILE)
 
 

@@ -17,7 +17,10 @@ kernel also ``python -m apa_gpu.replay FILE``).
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +120,7 @@ class Divergence:
     outcome: Outcome
     command: str
     reproducer: Path | None = None
+    failed: int = 1  # the checks it fails: a dump's KV head fails all its chosen warps
 
     @property
     def stage(self) -> str | None:
@@ -168,7 +172,7 @@ def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=N
                schedules=None, max_rel_l2=MAX_REL_L2, workers=1, progress=None):
     """``engine`` (named ``spec`` on the command line) against the emulator on ``warps`` (indices
     within each KV head; None: all) of every KV head of ``dump``. Returns the first Divergence (None),
-    the number of warps compared, and in tolerance mode the report of every pair compared."""
+    the number of warps that passed, and in tolerance mode the report of every pair compared."""
     mode = resolve_mode(engine, mode)
     G = dump.group
     nw = -(-dump.n * G // ROWS)
@@ -195,8 +199,8 @@ def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=N
                 file = (save_reproducer(q, k, v, dump.q_offset, cfg, triples, note=path.name,
                                         schedule=options.get("schedule", "separate"))
                         if engine.name == KERNEL else None)
-                return Divergence(f"{path.name} (KV head {hk}{words})", outcome, _command(spec, repro), file), \
-                    done + chosen.size, None
+                return Divergence(f"{path.name} (KV head {hk}{words})", outcome, _command(spec, repro), file,
+                                  chosen.size), done, None
         done += chosen.size
         if progress:
             progress(done, dump.nkv * chosen.size)
@@ -214,12 +218,30 @@ class _Failed(Exception):
     pass
 
 
+@contextmanager
+def _hypothesis_home():
+    """Hypothesis keeps caches in its home folder, ./.hypothesis unless $HYPOTHESIS_STORAGE_DIRECTORY
+    names one; a command writes no file its options do not name, so without that variable the home
+    is a temporary folder, removed after the run (the example database is off: database=None)."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    if os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="apa-hypothesis-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)  # back to $HYPOTHESIS_STORAGE_DIRECTORY or ./.hypothesis
+
+
 def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto", schedules=None,
                     max_rel_l2=MAX_REL_L2, progress=None):
     """``engine`` against the emulator on ``n`` problems and configs drawn by Hypothesis from ``seed``:
     the problems the engine can run (its features and head dims), every config it does not lack, or
     the one it claims. A failure is shrunk to a minimal failing problem. Returns the Divergence (None),
-    the problems checked before it, and in tolerance mode the worst problem's report."""
+    the problems checked up to it, and in tolerance mode the worst problem's report."""
     try:
         from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
         from hypothesis import seed as seeded
@@ -250,32 +272,37 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
             if not outcome.passed:
                 failures.append((problem, cfg, options, words, outcome))
                 raise _Failed
-            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst()[1] >
-                                                         worst[0].worst()[1]):
+            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst_rel >
+                                                         worst[0].worst_rel):
                 worst[0] = outcome.report
                 worst[0].problem = f"{problem.describe()}, {cfg}{words}"
         if progress and not failures:
             progress(done[0], n)
 
-    try:
+    with _hypothesis_home(), suppress(_Failed):
         example()
-    except _Failed:
-        pass
     if not failures:
         return None, done[0], worst[0]
-    problem, cfg, options, words, found = failures[-1]  # the last failure Hypothesis ran: the shrunk one
+    # the last failure Hypothesis ran: the shrunk one
+    return _generated_divergence(engine, spec, mode, max_rel_l2, failures[-1], done[0]), done[0], None
+
+
+def _generated_divergence(engine: Engine, spec: str, mode: str, max_rel_l2: float, failure, number: int):
+    """The Divergence of a generated problem (its replay, the kernel's reproducer file); an engine
+    error is raised, with the replay."""
+    problem, cfg, options, words, found = failure
     repro = dict(problem=json.loads(problem.to_json()), config=json.loads(config_to_json(cfg)), mode=mode,
                  options=options, **(dict(max_rel_l2=max_rel_l2) if mode == "tolerance" else {}))
     command = _command(spec, repro)
     if isinstance(found, engines.EngineError):
-        raise engines.EngineError(f"{found} on generated problem {done[0]}; replay: {command}")
+        raise engines.EngineError(f"{found} on generated problem {number}; replay: {command}")
     file = None
     if engine.name == KERNEL and problem.seqlens is None:
         args, kwargs = problem.arguments()
         file = save_reproducer(*args, cfg, "all", note=problem.describe(), schedule=options.get("schedule", "separate"),
                                **kwargs)
-    where = f"generated problem {done[0]} (shrunk: {problem.describe()}, {cfg}{words})"
-    return Divergence(where, found, command, file), done[0], None
+    where = f"generated problem {number} (shrunk: {problem.describe()}, {cfg}{words})"
+    return Divergence(where, found, command, file)
 
 
 def replay(engine: Engine, spec: str, text: str, progress=None):

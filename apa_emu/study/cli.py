@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from ..engines import EngineInterrupt
 from .commands import attribute, check, chunked, gemma3, headroom, pair, scan, smollm2, sweep, synth, worst
 from . import cluster
 from .commands.common import CTRL_C
@@ -105,9 +106,16 @@ def main(argv=None) -> int:
             print(f"apa: error: {len(failed)} unit{'s' * (len(failed) > 1)} failed twice, their pairs left out of "
                   f"the report:\n" + "\n".join(f"  {line}" for line in failed), file=sys.stderr)
             return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        # the user's Ctrl-C went through CTRL_C's handler; an engine's own raise did not
+        if isinstance(exc, EngineInterrupt) and not CTRL_C.hit:
+            print(f"apa: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
         print("apa: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SystemExit as exc:  # a library's sys.exit mid-command: never an exit without a word
+        print(f"apa: error: stopped before a verdict: SystemExit({exc.code!r})", file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) and exc.code else EXIT_ERROR
     except OutputError as exc:
         _detach_stdout()
         print(f"apa: error: cannot write the output: {exc}", file=sys.stderr)

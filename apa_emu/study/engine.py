@@ -69,8 +69,9 @@ def unit_bytes(n: int, G: int, S: int, d: int, block_elements: int) -> int:
 def ready(cls: type[Engine], configs, dims) -> tuple[Engine | None, str | None]:
     """An engine of class ``cls`` when it can run every config at every head dim here, else None and
     why not."""
-    why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
-    return (None, why) if why else (cls(), None)
+    with engines.guarded(f"engine {getattr(cls, 'name', '') or cls.__name__} raised"):
+        why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
+        return (None, why) if why else (cls(), None)
 
 
 def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> Engine:
@@ -147,7 +148,9 @@ def run_unit(engine: Engine, dump, unit: Unit, configs, *, split: bool, trace: b
     refs, runs = {}, []
     call = resolve_call(q, k, v, dump.q_offset, warps=warps, trace=warps if trace else None)
     for cfg in configs:
-        res = engine.run(call, cfg, progress=step(engine.steps(len(unit.warps))) if step else None)
+        # the emulator's and the kernel's errors reach the command as they are, which words them
+        with engines.guarded(f"engine {engine.name} raised", errors=False):
+            res = engine.run(call, cfg, progress=step(engine.steps(len(unit.warps))) if step else None)
         res = engines.as_result(engine.name, res, call, cfg)
         # an engine that returns the output alone (docs/engines.md) has no hot tile and gives up its bound
         hot = (np.zeros_like(keep) if res.hot is None else res.hot[0, 0]) * keep

@@ -19,6 +19,7 @@ from apa_emu.mma import mma_sm90_f16
 from apa_emu.pass1 import P1Mode, p1_pscale
 from apa_emu.merge import score_bounds
 from apa_emu.prep import pack_rows, prepare
+from apa_emu.problems import make_inputs
 from apa_emu.reference import reference
 
 F32 = np.float32
@@ -53,7 +54,10 @@ def test_certificate_covers_every_pair(cfg):
 
     @settings(deadline=None, max_examples=examples(4))
     @given(problems(max_keys=400), st.sampled_from(eps_choices))
+    # the examples meet every required case whatever the draws: the mixed problem's cold rows at the
+    # coarse ε, and a small one mostly hot at the config's own ε, where bounds beat the trivial one
     @example(mixed_problem(64), eps_choices[-1])
+    @example((*make_inputs(0, 1, 16, 2, 2, 64, 200, "normal", batched=False), 184), eps_choices[0])
     def prop(problem, eps):
         q, k, v, off = problem
         res = attention(q, k, v, off, cfg.replace(eps=eps), trace="all")

@@ -53,6 +53,7 @@ def _bits(x):
 
 
 def _replay_json(line: str) -> dict:
+    """The --repro JSON of a failure's replay line (the line before the verdict)."""
     words = shlex.split(line.strip().removeprefix("replay: "))
     assert words[:3] == ["apa", "check", "--engine"] and words[4] == "--repro"
     return json.loads(words[5])
@@ -62,7 +63,7 @@ def test_wrong_rounding_is_caught_bitwise_and_localised(capsys, no_files):
     assert main(["check", "--engine", WRONG, "--hypothesis", "4", "--seed", "3"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("apa check: engine wrong-rounding differs from the emulator in generated problem ")
-    repro = _replay_json(lines[-1])
+    repro = _replay_json(lines[-2])
     problem, cfg = Problem.from_json(repro["problem"]), Config(**repro["config"])
     # where the changed rounding bites, independently: the emulator with and without it, pair by pair
     args, kwargs = problem.arguments()
@@ -107,8 +108,8 @@ def test_wrong_rounding_on_a_dump_names_the_pair(capsys, dumps, no_files):
     differs = (_bits(right) != _bits(wrong)).any(axis=-1) & np.isfinite(right.astype(np.float32)).all(axis=-1)
     row, head = (int(i) for i in np.argwhere(differs)[0])
     assert f"  first differing (row, head): ({row}, {hk * G + head})" in lines
-    assert main(["check", "--engine", WRONG, "--repro", json.dumps(_replay_json(lines[-1]))]) == 1
-    assert capsys.readouterr().out.splitlines()[:-1] == lines[:-1]
+    assert main(["check", "--engine", WRONG, "--repro", json.dumps(_replay_json(lines[-2]))]) == 1
+    assert capsys.readouterr().out.splitlines()[:-2] == lines[:-2]
 
 
 def test_emulator_as_a_function_passes_bitwise(capsys, dumps, no_files):
@@ -155,7 +156,7 @@ def test_fakequant_is_reported_in_tolerance(capsys, dumps, no_files):
     assert main(["check", sink, "--engine", FAKEQUANT]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"apa check: engine {FAKEQUANT} departs from the emulator beyond relative L2 0.1")
-    assert main(["check", "--engine", FAKEQUANT, "--repro", json.dumps(_replay_json(lines[-1]))]) == 1
+    assert main(["check", "--engine", FAKEQUANT, "--repro", json.dumps(_replay_json(lines[-2]))]) == 1
     assert capsys.readouterr().out.splitlines()[1:] == lines[1:]
 
 
@@ -297,7 +298,7 @@ def test_fakequant_on_generated_problems(capsys, no_files):
     assert main(["check", "--engine", FAKEQUANT, "--hypothesis", "2", "--seed", "2", "--max-rel-l2", "1e-3"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert "departs from the emulator beyond relative L2 0.001 in generated problem 1 (shrunk: " in lines[0]
-    repro = _replay_json(lines[-1])
+    repro = _replay_json(lines[-2])
     assert repro["max_rel_l2"] == 1e-3 and repro["mode"] == "tolerance"
     assert main(["check", "--engine", FAKEQUANT, "--repro", json.dumps(repro)]) == 1
-    assert capsys.readouterr().out.splitlines()[1:] == lines[1:]
+    assert capsys.readouterr().out.splitlines()[1:-1] == lines[1:-1]

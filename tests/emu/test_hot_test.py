@@ -117,6 +117,19 @@ def _scale(x, to):
         return np.where(x == to, 1.0, np.exp2(x.astype(np.float64) - to.astype(np.float64)))
 
 
+def _judge(over, fits, hot: bool, seen, where: str) -> None:
+    """A visit's verdict against the rule: hot when a row is over budget, cold when every row fits;
+    between the two, counted only."""
+    if over.any():
+        assert hot, f"{where}: rows {np.flatnonzero(over)} over budget, tile cold"
+        seen["over_budget_hot"] += 1
+    elif fits.all():
+        assert not hot, f"{where}: every row within budget, tile hot"
+        seen["within_budget_cold"] += 1
+    else:
+        seen["borderline"] += 1
+
+
 def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
     """Replays every warp's visits (the trace's frames, the emulator's own P̂ per visit) and holds each
     verdict against the rule of §7.7 in float64: hot where a row's ((ws·a²) + t2) exceeds βr·L² by more
@@ -158,14 +171,7 @@ def _check_budget_rule(q, k, v, off, cfg, seen, tol=1e-3):
                 lhs, rhs = ws * a * a + t2, beta * big * big
                 over, fits = ok & (lhs > rhs * (1 + tol)), ~ok | (lhs < rhs * (1 - tol)) | (lhs == 0)
                 hot = bool(rec["hot"])
-                if over.any():
-                    assert hot, f"hk {hk} warp {w} tile {t}: rows {np.flatnonzero(over)} over budget, tile cold"
-                    seen["over_budget_hot"] += 1
-                elif fits.all():
-                    assert not hot, f"hk {hk} warp {w} tile {t}: every row within budget, tile hot"
-                    seen["within_budget_cold"] += 1
-                else:
-                    seen["borderline"] += 1
+                _judge(over, fits, hot, seen, f"hk {hk} warp {w} tile {t}")
                 if hot:
                     seen["spent_budget"] += int((over & fit_cold).sum())  # cold earlier, then over budget and hot
                 else:
@@ -192,7 +198,10 @@ def test_budget_test_follows_its_rule():
     @given(st.integers(0, 2**31 - 1), st.integers(1, 40), st.integers(1, 3), st.sampled_from([64, 128]),
            st.integers(64, 800), st.sampled_from(["sink", "normal", "diffuse"]),
            st.sampled_from([0.003, 0.01, 0.03, 0.1]), st.sampled_from(["diagonal", "ascending"]))
+    # the examples meet every required case whatever the draws: the sink problem hot and cold tiles,
+    # the normal one, in ascending order, a row that fits its budget cold and then spends it
     @example(16, 40, 3, 64, 700, "sink", 0.02, "diagonal")
+    @example(1, 16, 2, 64, 500, "normal", 0.01, "ascending")
     def prop(seed, n, G, d, S, structure, eps, order):
         q, k, v = make_inputs(seed, 1, n, 1, G, d, max(S, n), structure, batched=False)
         _check_budget_rule(q, k, v, max(S, n) - n, Config(eps=eps, hot_test="budget", tile_order=order), seen)

@@ -370,7 +370,8 @@ def test_check_finds_a_planted_divergence(capsys, numpy_gpu, monkeypatch, dumps,
     a = dumps["paths"][0]
     assert main(["check", a, "--warps", "0:2"]) == 0
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "bitwise" in out and "on 4 warps of 1 dump under default config" in out
+    assert out.count("\n") == 2 and "bitwise" in out and "on 4 warps of 1 dump under default config" in out
+    assert out.endswith("\napa check: PASS: 4 warps passed, 0 failed\n")
     monkeypatch.setattr(apa_gpu.api, "run", _planted(field))
     assert main(["check", a, "--warps", "0,1"]) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -390,11 +391,12 @@ def test_check_generated_problems(capsys, numpy_gpu, monkeypatch, tmp_path):
     monkeypatch.setenv("APA_GPU_REPRO_DIR", str(tmp_path))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 0
     assert capsys.readouterr().out.endswith("on 3 generated problems and configs (--seed 7), separate, fused and "
-                                            "bounded schedules\n")
+                                            "bounded schedules\napa check: PASS: 3 generated problems passed, 0 failed\n")
     monkeypatch.setattr(apa_gpu.api, "run", _planted("out"))
     assert main(["check", "--hypothesis", "3", "--seed", "7"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert "generated problem 1 (shrunk: " in lines[0] and "stage the merge (FP16 output)" in lines[0]
-    assert lines[-1].startswith("  replay: apa check --engine gpu --repro ")
+    assert lines[-2].startswith("  replay: apa check --engine gpu --repro ")
+    assert lines[-1] == "apa check: FAIL: 0 generated problems passed, 1 failed"
     assert list(tmp_path.glob("apa_gpu_*.npz"))
     assert main(["check", "x.apadump", "--hypothesis", "2"]) == 2

@@ -19,7 +19,9 @@ DESCRIPTION = ("run an engine and the emulator on a dump (every warp, or --warps
                "hot masks, every trace field the engine returns) when the engine claims bit-exactness, else in "
                "tolerance (ULP distances, relative L2 and cosine per pair, and where they concentrate). Exit 0 when "
                "they agree; else print the first divergence or the report, and the one command that replays it, "
-               "and exit 1. docs/engines.md says how to wrap a kernel as an engine")
+               "and exit 1. The last line is the verdict: PASS or FAIL, with how many passed and failed. An engine "
+               "that raises or exits (SystemExit included) is an error of one line, exit 2. docs/engines.md says "
+               "how to wrap a kernel as an engine")
 EPILOG = common.config_epilog()
 
 
@@ -38,7 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE",
                    help="Config toggles of the dump check, on top of the config the engine claims (keys below)")
     p.add_argument("--hypothesis", type=common.count, metavar="N",
-                   help="check N problems and configs drawn by Hypothesis (apa_emu/strategies.py) instead of dumps")
+                   help="check N problems and configs drawn by Hypothesis (apa_emu/strategies.py) instead of dumps; "
+                        "Hypothesis keeps no example database and its caches in a temporary folder, removed "
+                        "after the run, or in $HYPOTHESIS_STORAGE_DIRECTORY where that is set")
     p.add_argument("--seed", type=int, help="Hypothesis seed of --hypothesis (default: a random one, printed)")
     p.add_argument("--repro", metavar="JSON", help="replay the one check a failure printed")
     p.add_argument("--schedule", choices=[*kernel_schedules(), "all"], default="all",
@@ -57,27 +61,39 @@ def run(args) -> int:
             raise ValueError("--repro replays the check it names: give it no dump, --warps, --config or --hypothesis")
         engine, _ = require(args.engine, ())
         div, report = replay(engine, args.engine, args.repro)
-        return _finish(div, report, engine, "the problem replayed")
+        return _finish(div, report, engine, "the problem replayed", (0 if div else 1, "replayed checks"))
     if args.hypothesis:
-        div, summary, report, engine = _generated(args)
+        div, summary, report, engine, count = _generated(args)
     else:
-        div, summary, report, engine = _dumps(args)
-    return _finish(div, report, engine, summary)
+        div, summary, report, engine, count = _dumps(args)
+    return _finish(div, report, engine, summary, count)
 
 
-def _finish(div, report, engine, summary: str) -> int:
+def _finish(div, report, engine, summary: str, count: tuple[int, str]) -> int:
+    """Print the divergence or the agreement, then the verdict; the exit status."""
     if div:
         for line in div.lines():
             say(line)
-        return EXIT_DIVERGED
-    if report is not None:
+    elif report is not None:
         say(f"apa check: engine {engine.name} is within relative L2 {report.bound:g} of the emulator on {summary}")
         for line in report.lines():
             say(f"  {line}")
-        return 0
-    subject = "the kernel" if engine.name == KERNEL else f"engine {engine.name}"
-    say(f"apa check: {subject} equals the emulator bitwise (output, hot masks, every trace field) on {summary}")
-    return 0
+    else:
+        subject = "the kernel" if engine.name == KERNEL else f"engine {engine.name}"
+        say(f"apa check: {subject} equals the emulator bitwise (output, hot masks, every trace field) on {summary}")
+    say(verdict(div, report, *count))
+    return EXIT_DIVERGED if div else 0
+
+
+def verdict(div, report, passed: int, unit: str) -> str:
+    """The last line of every check: how many checks passed and how many failed. ``unit`` names what
+    ``passed`` counts; a tolerance check of dumps or of one replayed problem counts its pairs, and
+    a dump's KV head that diverges bitwise fails all its chosen warps."""
+    failed = (div.failed if unit == "warps" else 1) if div else 0
+    if report is not None and unit != "generated problems":  # a generated check's report is its worst problem's
+        failed = int(np.sum(~(report.rel_l2 <= report.bound)))
+        passed, unit = report.pairs - failed, "pairs"
+    return f"apa check: {'FAIL' if failed else 'PASS'}: {passed} {unit} passed, {failed} failed"
 
 
 def _schedule_words(engine, args) -> str:
@@ -99,7 +115,9 @@ def _generated(args):
                                             schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog)
     what = f"problems under the config it claims, {' '.join(engine.config)}," if engine.config else \
         "problems and configs"
-    return div, f"{done} generated {what} (--seed {seed}){_schedule_words(engine, args)}", report, engine
+    passed = done - 1 if div else done
+    return (div, f"{done} generated {what} (--seed {seed}){_schedule_words(engine, args)}", report, engine,
+            (passed, "generated problems"))
 
 
 def _dumps(args):
@@ -120,4 +138,4 @@ def _dumps(args):
     claim = f"the config it claims, {' '.join(engine.config)}, and " if engine.config else ""
     summary = (f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {claim}{cfg_name(cfg)}"
                f"{_schedule_words(engine, args)}")
-    return div, summary, report, engine
+    return div, summary, report, engine, (done, "warps")
