@@ -54,7 +54,7 @@ class Struct:
         self._format = struct.Struct(fmt + f"{self.dtype.itemsize - at}x")
 
     def layout(self) -> list[int]:
-        """What cuda/params.cuh APA_PARAMS_LAYOUT exports: the size, then each field's offset, size
+        """What cuda/params.cuh APA_PARAMS_EXPORT exports: the size, then each field's offset, size
         and name hash (32-bit FNV-1a, as int32)."""
         out = [self.dtype.itemsize]
         for f, _ in self.fields:
@@ -124,18 +124,25 @@ _SCALARS = frozenset((bool, int, float, np.float32, np.int32, np.int64, np.bool_
 C_TYPES = {"int": I32, "long long": I64, "float": F32}
 _LIST = re.compile(r"^#define APA_FIELDS_(\w+)\(X\)((?:.*\\\n)*.*)$", re.M)
 _FIELD = re.compile(r"\bX\(\s*([^,()]+?)\s*,\s*(\w+)\s*\)")
+_ALIAS = re.compile(r"^#define APA_FIELDS_(\w+)\s+APA_FIELDS_(\w+)\s*$", re.M)
 
 
 def declared(cuda_dir: Path = CUDA_DIR) -> dict[str, Struct]:
     """Every struct the kernel sources declare by a field list (cuda/params.cuh APA_FIELDS_S), by
-    name; a field of another such struct's type nests it (the same Struct object)."""
-    lists = {}
+    name, a struct that shares another's list (``#define APA_FIELDS_T APA_FIELDS_S``) among them; a
+    field of another such struct's type nests it (the same Struct object)."""
+    lists, aliases = {}, []
     for path in sorted(cuda_dir.glob("*.cu*")):
         text = re.sub(r"/\*.*?\*/", "", path.read_text(), flags=re.S)
         for name, body in _LIST.findall(text):
             if name in lists:
                 raise ValueError(f"{path.name}: APA_FIELDS_{name} is declared twice")
             lists[name] = (path.name, _FIELD.findall(body))
+        aliases += [(path.name, name, of) for name, of in _ALIAS.findall(text)]
+    for where, name, of in aliases:
+        if name in lists or of not in lists:
+            raise ValueError(f"{where}: APA_FIELDS_{name} is declared twice or names no list ({of})")
+        lists[name] = lists[of]
     structs: dict[str, Struct] = {}
 
     def get(name: str) -> Struct:

@@ -7,28 +7,17 @@ import numpy as np
 
 from . import device
 from .build import PROBE
-from .params import F32, I32, I64, PTR, Struct
+from .params import DECLARED, F32
 
-_MMA_FIELDS = [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR), ("ntiles", I32)]
-MMA_F32 = Struct("ProbeMmaF32Params", _MMA_FIELDS)
-MMA_F16 = Struct("ProbeMmaF16Params", _MMA_FIELDS)
-WGMMA = Struct("ProbeWgmmaParams", [("A", PTR), ("B", PTR), ("D0", PTR), ("D1", PTR)])
-WGMMA_F16 = Struct("ProbeWgmmaF16Params", [("A", PTR), ("B", PTR), ("C", PTR), ("D", PTR)])
-EXP2 = Struct("ProbeExp2Params", [("x", PTR), ("y", PTR), ("count", I64), ("mode", I32)])
-CODES = Struct("ProbeCodesParams", [("x", PTR), ("e2m1", PTR), ("e4m3", PTR), ("count", I64)])
-QUANT16 = Struct("ProbeQuant16Params", [("x", PTR), ("q", PTR), ("sb", PTR), ("nblocks", I64), ("lsq", I32)])
-TABLES = Struct("ProbeTablesParams", [("lg2", PTR), ("dec", PTR)])
-PSCALE = Struct("ProbePscaleParams", [("gm", PTR), ("cq", PTR), ("c", PTR), ("scale", PTR), ("bias", PTR),
-                                      ("mass", PTR), ("count", I64), ("A", F32), ("L", F32), ("pow2", I32),
-                                      ("fma", I32)])
-MERGE = Struct("ProbeMergeParams", [("m1", PTR), ("l1", PTR), ("part", PTR), ("m2", PTR), ("l2", PTR), ("o2", PTR),
-                                    ("out", PTR), ("count", I64), ("fma", I32)])
-# cuda/probe.cu's entry points and the struct each takes.
+# cuda/probe.cu's structs, each read from its field list there (params.py), and the entry point each takes.
+MMA_F32, MMA_F16 = DECLARED["ProbeMmaF32Params"], DECLARED["ProbeMmaF16Params"]
+WGMMA, WGMMA_F16 = DECLARED["ProbeWgmmaParams"], DECLARED["ProbeWgmmaF16Params"]
+EXP2, CODES, QUANT16 = DECLARED["ProbeExp2Params"], DECLARED["ProbeCodesParams"], DECLARED["ProbeQuant16Params"]
+TABLES, PSCALE, MERGE = DECLARED["ProbeTablesParams"], DECLARED["ProbePscaleParams"], DECLARED["ProbeMergeParams"]
 KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_wgmma": WGMMA,
-           "apa_probe_wgmma_f16": WGMMA_F16,
-           "apa_probe_exp2": EXP2,
-           "apa_probe_codes": CODES, "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES,
-           "apa_probe_pscale": PSCALE, "apa_probe_merge": MERGE}
+           "apa_probe_wgmma_f16": WGMMA_F16, "apa_probe_exp2": EXP2, "apa_probe_codes": CODES,
+           "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES, "apa_probe_pscale": PSCALE,
+           "apa_probe_merge": MERGE}
 
 
 def _run(name: str, blocks: int, threads: int, params: dict) -> None:

@@ -15,7 +15,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "prep.cuh"
-#include "pass1.cuh"
+#include "pass1_cta.cuh"
 #include "pass2.cuh"
 
 using namespace apa;

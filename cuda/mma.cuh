@@ -99,7 +99,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1). On the
 // H200 scale-d = 0 equals C = +0 (mma_models.md §3; tests/kernel/test_gpu_mma.py test_wgmma_scale_d_zero),
 // but the kernels do not use it: without the moves that zero C, ptxas serializes pass 1's wgmma
-// (C7515; docs/benchmarks.md, issue 15's mainloop experiments).
+// (C7515; docs/benchmarks.md, "Pass 1 in the FlashAttention-3 shape").
 // ---------------------------------------------------------------------------------------------
 
 // Half offset of element (r, c) in an image of R rows (K-major, channels or keys c).
@@ -167,7 +167,7 @@ __device__ __forceinline__ void wg_commit() {
 #endif
 }
 // Named barrier id of n threads: bar.sync waits for the n, bar.arrive counts itself and goes on.
-// Pass 1's warpgroups take turns at the tensor cores with them (pass1.cuh); scheduling only, so the
+// Pass 1's warpgroups take turns at the tensor cores with them (pass1_cta.cuh); scheduling only, so the
 // simulator, which runs an MMA when it is issued, skips them.
 __device__ __forceinline__ void named_bar_sync(int id, int n) {
 #ifndef APA_SIM

@@ -26,7 +26,8 @@ __host__ __device__ constexpr unsigned apa_name_hash(const char* s, unsigned h =
 // member, in order. `struct S { APA_FIELDS_S(APA_MEMBER) };` declares the members,
 // APA_PARAMS_EXPORT(S) exports their layout, and apa_gpu/params.py reads the same X lines for the
 // host's dtype. A type is a pointer, float, int, long long or another such struct. A field's comment
-// is a block comment on its line (a line comment would swallow the line continuation).
+// is a block comment on its line (a line comment would swallow the line continuation). Structs of one
+// layout under two names (probe.cu's MMA probes) share a list: `#define APA_FIELDS_T APA_FIELDS_S`.
 #define APA_MEMBER(T, f) T f;
 #define APA_LAYOUT_COUNT_(T, f) +3
 #define APA_LAYOUT_FIELD_(T, f) , (int)offsetof(Self, f), (int)sizeof(Self::f), (int)apa_name_hash(#f)
@@ -36,8 +37,3 @@ __host__ __device__ constexpr unsigned apa_name_hash(const char* s, unsigned h =
     extern "C" __device__ const int apa_params_##S[] = {1 APA_FIELDS_##S(APA_LAYOUT_COUNT_),        \
                                                         (int)sizeof(S) APA_FIELDS_##S(APA_LAYOUT_FIELD_)}; \
     }
-
-// APA_PARAMS_LAYOUT(S, APA_FIELD(S, a), APA_FIELD(S, b), ...): the same table for a struct declared
-// by hand (probe.cu).
-#define APA_FIELD(S, f) (int)offsetof(S, f), (int)sizeof(S::f), (int)apa_name_hash(#f)
-#define APA_PARAMS_LAYOUT(S, ...) APA_EXPORT_INTS(apa_params_##S, (int)sizeof(S), __VA_ARGS__)

@@ -271,15 +271,63 @@ using Pass2Ring = TileRing<P2_STAGES, P2_SLICES>;
 constexpr int P2_SMEM_BYTES = ring_smem_bytes<P2_STAGES * P2_SLICES>();
 constexpr int P2_SMEM_WORDS = P2_SLICES + WARPS;
 
+// §9.7 err_bound of the lane's row (half: 0 lo, 1 hi) from pass 1's m1, l1, ad1, pass 2's l2, the row's
+// c_q (§5.3) and qstat and the head's kvstat (§5.7); ok: every channel of the row's output is finite.
+__device__ __forceinline__ float p2_bound(const Pass2Args& a, const WarpRows& wr, const MergeWeights& mw,
+                                          const float (&ml)[P1_ML], float l2, float cq, const float* qs,
+                                          const unsigned int* kv, int half, int nh, bool ok) {
+    const CertRow row{ml[0], ml[1], ml[2], l2, cq, qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
+                      __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
+                      half ? wr.lo_hi : wr.lo_lo, half ? wr.lim_hi : wr.lim_lo, nh, ok};
+    return merge_bound(mw, row, a.cert, a.qmul);
+}
+
+// §9.8 err_est of the lane's row from pass 1's ws1, pass 2's m2, l2 and P2 (§8.6), the row's c_q, qstat and
+// shift sh (§5.3), the head's means (§5.7) and ssq4's quad sums q2 and f2; ok as in p2_bound.
+__device__ __forceinline__ float p2_estimate(const Pass2Args& a, const MergeWeights& mw, const float (&ml)[P1_ML],
+                                             float m2, float l2, float p2, float cq, const float* qs, float sh,
+                                             const unsigned int* kv, float q2, float f2, int nh, bool ok) {
+    const EstRow er{ml[3], m2, l2, p2, cq, qs[0], qs[1], sh, __uint_as_float(kv[5]), __uint_as_float(kv[6]),
+                    __uint_as_float(kv[7]), __uint_as_float(kv[8]), q2, f2, nh, ok};
+    return merge_estimate<D>(mw, er, a.est_k);
+}
+
+#if APA_TRACE
+// §10: channels c, c + 1 of a row's record: part, o2 and out. Records are only 4-byte aligned (48 + 10 D
+// bytes each): scalar stores.
+__device__ __forceinline__ void p2_record_channels(uint8_t* rec, int c, float2 pv, float o2a, float o2b, uint32_t pr) {
+    float* fp = reinterpret_cast<float*>(rec + ROW_PART + 4 * c);
+    float* fo = reinterpret_cast<float*>(rec + ROW_O2 + 4 * c);
+    fp[0] = pv.x; fp[1] = pv.y;
+    fo[0] = o2a; fo[1] = o2b;
+    *reinterpret_cast<uint32_t*>(rec + ROW_OUT + 2 * c) = pr;
+}
+
+// §10: the head of row r's record, b, hk, r, then head = (m1, l1, m2, l2, ad1, err_bound, ws1, p2,
+// err_est).
+__device__ __forceinline__ void p2_record_head(const Pass2Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
+                                               int b, int hk, int r, const float (&head)[9]) {
+    const int rb = a.row_base[bh * geo.nw_buf + wr.w];
+    if (rb >= 0) {
+        uint8_t* rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
+        int* hdr = reinterpret_cast<int*>(rec);
+        float* fh = reinterpret_cast<float*>(rec);
+        hdr[0] = b; hdr[1] = hk; hdr[2] = r;
+#pragma unroll
+        for (int i = 0; i < 9; ++i) fh[3 + i] = head[i];
+    }
+}
+#endif
+
 // §8.6 end, §9 merge, §9.7 certificate and §9.8 estimate of the warp's valid rows (every warp, with or
 // without hot tiles: §9.5), stored to out, bound and est and, in trace builds, to the row records (§10).
 // Pass 1's ml and part are read with ld.global.cg (see pass2_cta). Hs: the warp's hot-mask words (nh of
 // §9.7); sh: the rows' shifts (§5.3).
 // The fast build compiles the merge apart from the tile loop: inlined, its registers (the estimate's
 // sums, the merge weights, the row records) pushed ptxas to spill inside the loop (60 B); out of line the
-// loop spills nothing and pass 2 runs 3.2 % faster (tools/bench_ab.py, H200, eighteenth session). The
-// exact build's loop, whose exp2s needs more registers, was 5.6 % slower so, and keeps it inline (as
-// does the simulator, to which inlining means nothing).
+// loop spills nothing and pass 2 runs 3.2 % faster (tools/bench_ab.py, H200). The exact build's loop,
+// whose exp2s needs more registers, was 5.6 % slower so, and keeps it inline (as does the simulator, to
+// which inlining means nothing).
 #if APA_EXP2_FAST && !defined(APA_SIM)
 #define APA_P2_MERGE __noinline__
 #else
@@ -334,14 +382,7 @@ __device__ APA_P2_MERGE void p2_merge_rows(const Pass2Args& a, const Geom& geo, 
             q2[half] = fadd(fadd(q2[half], fmul(o2a, o2a)), fmul(o2b, o2b));
             f2[half] = fadd(fadd(f2[half], fmul(ea, ea)), fmul(eb, eb));
 #if APA_TRACE
-            if (rec != nullptr) {
-                // Records are only 4-byte aligned (48 + 10 D bytes each): scalar stores.
-                float* fp = reinterpret_cast<float*>(rec + ROW_PART + 4 * c);
-                float* fo = reinterpret_cast<float*>(rec + ROW_O2 + 4 * c);
-                fp[0] = pv.x; fp[1] = pv.y;
-                fo[0] = o2a; fo[1] = o2b;
-                *reinterpret_cast<uint32_t*>(rec + ROW_OUT + 2 * c) = pr;
-            }
+            if (rec != nullptr) p2_record_channels(rec, c, pv, o2a, o2b, pr);
 #endif
         }
     }
@@ -365,28 +406,16 @@ __device__ APA_P2_MERGE void p2_merge_rows(const Pass2Args& a, const Geom& geo, 
         const int r = half ? wr.r_hi : wr.r_lo;
         const float* qs = a.qstat + (bh * geo.Rp_buf + r) * 3;
         const float cq = a.cq[bh * geo.Rp_buf + r], m2 = half ? st.m_hi : st.m_lo, p2 = half ? p2_hi : p2_lo;
-        const CertRow row{ml[half][0], ml[half][1], ml[half][2], half ? l2_hi : l2_lo, cq,
-                          qs[0], qs[1], qs[2], __uint_as_float(kv[0]), __uint_as_float(kv[1]),
-                          __uint_as_float(kv[2]), __uint_as_float(kv[3]), __uint_as_float(kv[4]),
-                          half ? wr.lo_hi : wr.lo_lo, half ? wr.lim_hi : wr.lim_lo, nh, !bad[half]};
-        const float eb = merge_bound(mw[half], row, a.cert, a.qmul);
-        const EstRow er{ml[half][3], m2, row.l2, p2, cq, qs[0], qs[1], sh[half], __uint_as_float(kv[5]),
-                        __uint_as_float(kv[6]), __uint_as_float(kv[7]), __uint_as_float(kv[8]), q2[half], f2[half],
-                        nh, !bad[half]};
-        const float ee = merge_estimate<D>(mw[half], er, a.est_k);
+        const float l2 = half ? l2_hi : l2_lo;
+        const float eb = p2_bound(a, wr, mw[half], ml[half], l2, cq, qs, kv, half, nh, !bad[half]);
+        const float ee = p2_estimate(a, mw[half], ml[half], m2, l2, p2, cq, qs, sh[half], kv, q2[half], f2[half], nh,
+                                     !bad[half]);
         const size_t o = (geo.q0 + r / geo.G) * geo.H + hk * geo.G + r % geo.G;
         a.bound[o] = eb;
         a.est[o] = ee;
 #if APA_TRACE
-        const int rb = a.row_base[bh * geo.nw_buf + wr.w];
-        if (rb >= 0) {
-            uint8_t* rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
-            int* hdr = reinterpret_cast<int*>(rec);
-            float* fh = reinterpret_cast<float*>(rec);
-            hdr[0] = b; hdr[1] = hk; hdr[2] = r;
-            fh[3] = ml[half][0]; fh[4] = ml[half][1]; fh[5] = m2; fh[6] = row.l2;
-            fh[7] = ml[half][2]; fh[8] = eb; fh[9] = ml[half][3]; fh[10] = p2; fh[11] = ee;
-        }
+        const float head[9] = {ml[half][0], ml[half][1], m2, l2, ml[half][2], eb, ml[half][3], p2, ee};
+        p2_record_head(a, geo, wr, bh, b, hk, r, head);
 #endif
     }
 }

@@ -11,91 +11,76 @@
 #include "mma.cuh"
 #include "params.cuh"
 #include "pass1.cuh"
+#include "pipeline.cuh"
 
 using namespace apa;
 
+// Each probe's struct is declared once, as its field list (params.cuh APA_FIELDS_S), which
+// apa_gpu/probes.py reads for the host.
+
 // One tile per warp: A [16][16] row-major (binary16 bits), B [8][16] (B[n][k]), C and D [16][8] of
-// C_T (float or binary16 bits).
+// C_T (float or binary16 bits). The two instantiations export their layouts under their own names, from
+// the one list.
+#define APA_FIELDS_ProbeMmaParams(X) X(const uint16_t*, A) X(const uint16_t*, B) X(const C_T*, C) X(C_T*, D) X(int, ntiles)
 template <typename C_T>
 struct ProbeMmaParams {
-    const uint16_t* A;
-    const uint16_t* B;
-    const C_T* C;
-    C_T* D;
-    int ntiles;
+    APA_FIELDS_ProbeMmaParams(APA_MEMBER)
 };
 using ProbeMmaF32Params = ProbeMmaParams<float>;
 using ProbeMmaF16Params = ProbeMmaParams<uint16_t>;
+#define APA_FIELDS_ProbeMmaF32Params APA_FIELDS_ProbeMmaParams
+#define APA_FIELDS_ProbeMmaF16Params APA_FIELDS_ProbeMmaParams
 
 // One wgmma m64n64k16 per tile (a CTA of one warpgroup): A [64][16] and B [64][16] (B[n][k]) as
 // binary16 bits; D0 [64][64] from scale-d = 0 over a NaN accumulator, D1 from an explicit C = +0.
+#define APA_FIELDS_ProbeWgmmaParams(X) X(const uint16_t*, A) X(const uint16_t*, B) X(float*, D0) X(float*, D1)
 struct ProbeWgmmaParams {
-    const uint16_t* A;
-    const uint16_t* B;
-    float* D0;
-    float* D1;
+    APA_FIELDS_ProbeWgmmaParams(APA_MEMBER)
 };
 
 // One wgmma m64n64k16 with FP16 accumulation per tile (pass 2's scores, §8.1): A [64][16] from
 // registers, B [64][16] (B[n][k]) from an image, C and D [64][64], all binary16 bits.
+#define APA_FIELDS_ProbeWgmmaF16Params(X) \
+    X(const uint16_t*, A) X(const uint16_t*, B) X(const uint16_t*, C) X(uint16_t*, D)
 struct ProbeWgmmaF16Params {
-    const uint16_t* A;
-    const uint16_t* B;
-    const uint16_t* C;
-    uint16_t* D;
+    APA_FIELDS_ProbeWgmmaF16Params(APA_MEMBER)
 };
 
+#define APA_FIELDS_ProbeExp2Params(X) X(const float*, x) X(float*, y) X(long long, count) X(int, mode)
 struct ProbeExp2Params {
-    const float* x;
-    float* y;
-    long long count;
-    int mode;
+    APA_FIELDS_ProbeExp2Params(APA_MEMBER)
 };
 
+#define APA_FIELDS_ProbeCodesParams(X) X(const float*, x) X(float*, e2m1) X(uint8_t*, e4m3) X(long long, count)
 struct ProbeCodesParams {
-    const float* x;
-    float* e2m1;
-    uint8_t* e4m3;
-    long long count;
+    APA_FIELDS_ProbeCodesParams(APA_MEMBER)
 };
 
+#define APA_FIELDS_ProbeQuant16Params(X) \
+    X(const float*, x) X(float*, q) X(uint8_t*, sb) X(long long, nblocks) X(int, lsq)
 struct ProbeQuant16Params {
-    const float* x;
-    float* q;
-    uint8_t* sb;
-    long long nblocks;
-    int lsq;
+    APA_FIELDS_ProbeQuant16Params(APA_MEMBER)
 };
 
+#define APA_FIELDS_ProbeTablesParams(X) X(float*, lg2) X(float*, dec)
 struct ProbeTablesParams {
-    float* lg2;
-    float* dec;
+    APA_FIELDS_ProbeTablesParams(APA_MEMBER)
 };
 
 // §7.4 of (gm, c_q, c) triples: dec(kb), bias and a_g of each (pass1.cuh p1_pscale).
+#define APA_FIELDS_ProbePscaleParams(X)                                                               \
+    X(const float*, gm) X(const float*, cq) X(const float*, c) X(float*, scale) X(float*, bias)     \
+    X(float*, mass) X(long long, count) X(float, A) X(float, L) X(int, pow2) X(int, fma)
 struct ProbePscaleParams {
-    const float* gm;
-    const float* cq;
-    const float* c;
-    float* scale;
-    float* bias;
-    float* mass;
-    long long count;
-    float A, L;
-    int pow2, fma;
+    APA_FIELDS_ProbePscaleParams(APA_MEMBER)
 };
 
 // §9.1–9.4 of rows of two channels: (m1, l1, part[2]) and (m2, l2, o2[2]) to an f16x2 output.
+#define APA_FIELDS_ProbeMergeParams(X)                                                                \
+    X(const float*, m1) X(const float*, l1) X(const float*, part) X(const float*, m2) X(const float*, l2) \
+    X(const float*, o2) X(uint32_t*, out) X(long long, count) X(int, fma)
 struct ProbeMergeParams {
-    const float* m1;
-    const float* l1;
-    const float* part;
-    const float* m2;
-    const float* l2;
-    const float* o2;
-    uint32_t* out;
-    long long count;
-    int fma;
+    APA_FIELDS_ProbeMergeParams(APA_MEMBER)
 };
 
 __device__ __forceinline__ void probe_frags(const uint16_t* A, const uint16_t* B, uint32_t (&a)[4], uint32_t& b0,
@@ -272,30 +257,13 @@ extern "C" __global__ void apa_probe_merge(const __grid_constant__ ProbeMergePar
     p.out[i] = f16x2(y.x, y.y);
 }
 
-APA_PARAMS_LAYOUT(ProbeMmaF32Params, APA_FIELD(ProbeMmaF32Params, A), APA_FIELD(ProbeMmaF32Params, B),
-                  APA_FIELD(ProbeMmaF32Params, C), APA_FIELD(ProbeMmaF32Params, D),
-                  APA_FIELD(ProbeMmaF32Params, ntiles));
-APA_PARAMS_LAYOUT(ProbeMmaF16Params, APA_FIELD(ProbeMmaF16Params, A), APA_FIELD(ProbeMmaF16Params, B),
-                  APA_FIELD(ProbeMmaF16Params, C), APA_FIELD(ProbeMmaF16Params, D),
-                  APA_FIELD(ProbeMmaF16Params, ntiles));
-APA_PARAMS_LAYOUT(ProbeWgmmaParams, APA_FIELD(ProbeWgmmaParams, A), APA_FIELD(ProbeWgmmaParams, B),
-                  APA_FIELD(ProbeWgmmaParams, D0), APA_FIELD(ProbeWgmmaParams, D1));
-APA_PARAMS_LAYOUT(ProbeWgmmaF16Params, APA_FIELD(ProbeWgmmaF16Params, A), APA_FIELD(ProbeWgmmaF16Params, B),
-                  APA_FIELD(ProbeWgmmaF16Params, C), APA_FIELD(ProbeWgmmaF16Params, D));
-APA_PARAMS_LAYOUT(ProbeExp2Params, APA_FIELD(ProbeExp2Params, x), APA_FIELD(ProbeExp2Params, y),
-                  APA_FIELD(ProbeExp2Params, count), APA_FIELD(ProbeExp2Params, mode));
-APA_PARAMS_LAYOUT(ProbeCodesParams, APA_FIELD(ProbeCodesParams, x), APA_FIELD(ProbeCodesParams, e2m1),
-                  APA_FIELD(ProbeCodesParams, e4m3), APA_FIELD(ProbeCodesParams, count));
-APA_PARAMS_LAYOUT(ProbeQuant16Params, APA_FIELD(ProbeQuant16Params, x), APA_FIELD(ProbeQuant16Params, q),
-                  APA_FIELD(ProbeQuant16Params, sb), APA_FIELD(ProbeQuant16Params, nblocks),
-                  APA_FIELD(ProbeQuant16Params, lsq));
-APA_PARAMS_LAYOUT(ProbeTablesParams, APA_FIELD(ProbeTablesParams, lg2), APA_FIELD(ProbeTablesParams, dec));
-APA_PARAMS_LAYOUT(ProbePscaleParams, APA_FIELD(ProbePscaleParams, gm), APA_FIELD(ProbePscaleParams, cq),
-                  APA_FIELD(ProbePscaleParams, c), APA_FIELD(ProbePscaleParams, scale),
-                  APA_FIELD(ProbePscaleParams, bias), APA_FIELD(ProbePscaleParams, mass),
-                  APA_FIELD(ProbePscaleParams, count), APA_FIELD(ProbePscaleParams, A), APA_FIELD(ProbePscaleParams, L),
-                  APA_FIELD(ProbePscaleParams, pow2), APA_FIELD(ProbePscaleParams, fma));
-APA_PARAMS_LAYOUT(ProbeMergeParams, APA_FIELD(ProbeMergeParams, m1), APA_FIELD(ProbeMergeParams, l1),
-                  APA_FIELD(ProbeMergeParams, part), APA_FIELD(ProbeMergeParams, m2), APA_FIELD(ProbeMergeParams, l2),
-                  APA_FIELD(ProbeMergeParams, o2), APA_FIELD(ProbeMergeParams, out), APA_FIELD(ProbeMergeParams, count),
-                  APA_FIELD(ProbeMergeParams, fma));
+APA_PARAMS_EXPORT(ProbeMmaF32Params)
+APA_PARAMS_EXPORT(ProbeMmaF16Params)
+APA_PARAMS_EXPORT(ProbeWgmmaParams)
+APA_PARAMS_EXPORT(ProbeWgmmaF16Params)
+APA_PARAMS_EXPORT(ProbeExp2Params)
+APA_PARAMS_EXPORT(ProbeCodesParams)
+APA_PARAMS_EXPORT(ProbeQuant16Params)
+APA_PARAMS_EXPORT(ProbeTablesParams)
+APA_PARAMS_EXPORT(ProbePscaleParams)
+APA_PARAMS_EXPORT(ProbeMergeParams)

@@ -50,9 +50,9 @@ _F16_OF_X = """    uint32_t pa[4][4];
 # name -> edits (file, old, new); old = (start, end) replaces start up to, not including, end.
 VARIANTS = {
     "pass1-skeleton": [
-        ("pass1.cuh", "if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)\n",
+        ("pass1_cta.cuh", "if (wr.warp_active && t >= wr.Fw && t <= wr.Tw)\n",
          "if (false && wr.warp_active && t >= wr.Fw && t <= wr.Tw)\n"),
-        ("pass1.cuh", """p1_zero(pa);
+        ("pass1_cta.cuh", """p1_zero(pa);
         mma_turn(j + 1);""", _F16_OF_S),
     ],
     "pass1-no-rounding": [

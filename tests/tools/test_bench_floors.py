@@ -24,7 +24,7 @@ def test_every_variant_applies_and_edits_only_its_pass(tmp_path):
     for name, d in made.items():
         changed = {p.name for p in (ROOT / "cuda").rglob("*") if p.is_file()
                    and (d / p.relative_to(ROOT / "cuda")).read_bytes() != p.read_bytes()}
-        assert changed == {name[:5] + ".cuh"}, (name, changed)
+        assert changed and all(n.startswith(name[:5]) for n in changed), (name, changed)  # pass1*.cuh or pass2.cuh
 
 
 def test_an_edit_that_no_longer_applies_is_named(tmp_path):
