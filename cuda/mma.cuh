@@ -99,7 +99,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // further into the row. The accumulators are plain f32 chains from the caller's C (scale-d = 1). On the
 // H200 scale-d = 0 equals C = +0 (mma_models.md §3; tests/kernel/test_gpu_mma.py test_wgmma_scale_d_zero),
 // but the kernels do not use it: without the moves that zero C, ptxas serializes pass 1's wgmma
-// (C7515; docs/benchmarks.md, "Pass 1 in the FlashAttention-3 shape").
+// (C7515; docs/results/performance-log.md, "Pass 1 in the FlashAttention-3 shape").
 // ---------------------------------------------------------------------------------------------
 
 // Half offset of element (r, c) in an image of R rows (K-major, channels or keys c).
@@ -280,7 +280,7 @@ __device__ __forceinline__ void wgmma_rs(float (&acc)[NT][4], const uint32_t (&a
 // fragment of n-tile nt (rows g and g + 8 of the warp, as packed pairs). The probe of pass 2's FP16
 // chains on wgmma (tests/kernel/test_gpu_mma.py test_wgmma_f16_accumulation_is_the_mma_step: the same step as
 // mma.sync's on the H200). Pass 2 does not use it: its scores on it, every warp of a slice joining each
-// tile of the slice's union, measured 7-17 % slower (docs/benchmarks.md).
+// tile of the slice's union, measured 7-17 % slower (docs/results/performance-log.md).
 __device__ __forceinline__ void wgmma_rs_f16_n64(uint32_t (&acc)[8][2], const uint32_t (&a)[4], WgOperand b) {
 #ifdef APA_SIM
     const int lane = threadIdx.x & 31, g = lane >> 2, t0 = lane & 3;

@@ -114,7 +114,7 @@ __device__ __forceinline__ P1Warp p1_warp(const Pass1Args& a, const Geom& geo, c
 // warpgroups issue their MMA batches (batch 0: step 0's scores; batch j + 1: step j's P̂·V̂ and step
 // j + 1's scores) in turn, 0, 1, 2, 0, ..., FA3's warp-scheduler barrier: without it they drift into
 // issuing together and then all wait for the tensor cores while the ALUs idle (the turns: −2 % in the
-// fast mode, docs/benchmarks.md). Warpgroup w waits on MmaTurn + w for its predecessor's arrival
+// fast mode, docs/results/performance-log.md). Warpgroup w waits on MmaTurn + w for its predecessor's arrival
 // (P1_TURN_THREADS: the two warpgroups); every batch has its successor but the last.
 enum class P1Barrier : int { MmaTurn = 1 };
 constexpr int P1_NWG = WARPS / 4, P1_TURN_THREADS = 2 * 128;
@@ -127,7 +127,7 @@ __device__ __forceinline__ int p1_turn_barrier(int wg) { return (int)P1Barrier::
 // BUDGET: the hot test kind (a.budget), a kernel entry of its own (apa.cu), so that the mass and output
 // tests' code is that of a kernel without the budget test. Its t2 before the vote and βr cost registers,
 // and ptxas allocates one kernel's registers for all of its code: both kinds behind a run-time branch
-// in one kernel left the mass test's pass 1 spilling inside its loop, 20 % slower (docs/benchmarks.md).
+// in one kernel left the mass test's pass 1 spilling inside its loop, 20 % slower (docs/results/performance-log.md).
 template <bool SEGMENT, bool BUDGET>
 __device__ __forceinline__ void pass1_cta(const Pass1Args& a, const Geom& geo, uint16_t* smem, int b, int hk, int qb,
                                           bool fresh) {

@@ -264,7 +264,7 @@ __device__ __forceinline__ int p2_next_tile(const uint32_t* U, int from, int Tma
 // words [WARPS][W]: P2_SMEM_BYTES + 4 W P2_SMEM_WORDS.
 // Three slices of 4 warps (D = 64, 128): at 122880 keys the busiest slice's union is 886 tiles
 // against the CTA's 1258 (outlier-heavy input), and pass 2 took 11 % less than with one ring of 6
-// stages, 5 % less than with two of 3 (docs/benchmarks.md).
+// stages, 5 % less than with two of 3 (docs/results/performance-log.md).
 constexpr int P2_SLICES = D == 256 ? 1 : 3;
 constexpr int P2_STAGES = (D == 256 ? 3 : 6) / P2_SLICES;
 using Pass2Ring = TileRing<P2_STAGES, P2_SLICES>;

@@ -151,7 +151,7 @@ __device__ __forceinline__ bool cert_key(const Geom& g, int key) { return key < 
 
 // The block's sums of its NT threads' u[i] (integers: order-free), returned to thread i < N (0 to the
 // others): each warp's by shuffles, then one shared word per warp and sum. Shared atomics instead (one
-// per thread and sum, on N words) serialized prep_k's and prep_v's blocks at their end (docs/benchmarks.md).
+// per thread and sum, on N words) serialized prep_k's and prep_v's blocks at their end (docs/results/performance-log.md).
 // Every thread of the block calls it, once per launch.
 template <int NT, int N>
 __device__ __forceinline__ unsigned long long block_sums(const unsigned long long (&u)[N]) {

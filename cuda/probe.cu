@@ -129,7 +129,7 @@ extern "C" __global__ void apa_probe_mma_f16(const __grid_constant__ ProbeMmaF16
 }
 
 // Whether scale-d = 0 starts a chain as C = +0 does (mma_models.md §3): what a score chain that does not
-// zero its accumulators first would rely on (pass 1 still zeroes them; docs/benchmarks.md says why).
+// zero its accumulators first would rely on (pass 1 still zeroes them; docs/results/performance-log.md says why).
 extern "C" __global__ void __launch_bounds__(128) apa_probe_wgmma(const __grid_constant__ ProbeWgmmaParams p) {
     struct __align__(1024) Images {  // the 128-byte swizzle's period
         uint16_t h[2][64 * 64];

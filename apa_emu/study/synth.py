@@ -45,7 +45,7 @@ PRESETS = {
 }
 # Input families for benchmarks, as knob sets of ``synthetic``: its defaults, and one with twice the
 # channel offsets and ten times the outliers (wider FP4 block ranges; hot share 0.256 against 0.201 at
-# 2048 × 122880, Llama-3.2-3B heads, ε = 0.005, measured on the H200, docs/benchmarks.md).
+# 2048 × 122880, Llama-3.2-3B heads, ε = 0.005, measured on the H200, docs/results/performance-log.md).
 FAMILIES = {"real-like": {}, "outlier-heavy": dict(channel_offset=3.0, outliers=1e-3)}
 _F16_MAX = float(np.finfo(np.float16).max)
 # Stream tags: each tensor and head draws from its own seeded stream.

@@ -93,7 +93,7 @@ def _start_local(distributed, spec: Spec, gpus: list[str]):
 def _warm(engine, hd: int, config) -> None:
     """A tiny unit on a worker, so that its first real one pays for no import, context or module. (The
     first query row of a real dump, its keys whole, left less to the first unit but took 4.2 s, not
-    0.8, on the H200: docs/benchmarks.md, the study on a Dask cluster, run 2.)"""
+    0.8, on the H200: docs/results/performance-log.md, the study on a Dask cluster, run 2.)"""
     from ..scan import Job
     from ..synth import synthetic
 
