@@ -189,7 +189,9 @@ class Plan:
         a kernel of its own (cuda/apa.cu), whose registers the other tests' do not share."""
         return f"{name}_budget" if self.pass1_flags.budget else name
 
-    def _launch(self, name, grid, block, params, smem=0):
+    def launch(self, name, grid, block, params, smem=0):
+        """Every kernel launch of the plan goes through here, so that a profiler can wrap it on one plan
+        (tools/bench_gpu.py times each launch this way)."""
         device.launch(device.kernel(self.variant, name, KERNELS[name]), grid, block, params, smem)
 
     def prep(self, q, k, v, pages=None, stats=None, from_tile=0):
@@ -215,12 +217,12 @@ class Plan:
         bhd = (s.Hkv, s.B)
         xp = device.backend().xp
         if stats is None:
-            self._launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
-            self._launch("apa_prep_finalize", bhd, s.d, p)
+            self.launch("apa_prep_stats", (cdiv(s.S, lay.keys_per_chunk), *bhd), lay.stats_threads, p)
+            self.launch("apa_prep_finalize", bhd, s.d, p)
         else:
             self.kmean[...] = xp.asarray(stats.kmean)
             self.scales[...] = xp.asarray(np.stack([stats.kg, stats.vg], axis=-1))
-        self._launch("apa_prep_q", (cdiv(s.Rp * (s.d // 16), PREP_THREADS), *bhd), PREP_THREADS, p)
+        self.launch("apa_prep_q", (cdiv(s.Rp * (s.d // 16), PREP_THREADS), *bhd), PREP_THREADS, p)
         if self.bounded:
             self._form(0, 1)
         else:
@@ -251,12 +253,12 @@ class Plan:
             return
         lay, grid = self.layout, (hi - lo, self.shape.Hkv, self.shape.B)
         p = dict(self._prep_params, span=self._span(lo, hi, first))
-        self._launch("apa_prep_k", grid, lay.k_threads, p)
-        self._launch("apa_prep_v", grid, lay.v_threads, p, lay.v_smem)
+        self.launch("apa_prep_k", grid, lay.k_threads, p)
+        self.launch("apa_prep_v", grid, lay.v_threads, p, lay.v_smem)
 
     def _means(self) -> None:
         """§5.7's means from the per-tile sums of every tile formed (the estimate's, §9.8)."""
-        self._launch("apa_prep_means", (self.shape.Hkv, self.shape.B), self.layout.mean_threads, self._prep_params)
+        self.launch("apa_prep_means", (self.shape.Hkv, self.shape.B), self.layout.mean_threads, self._prep_params)
 
     def segments(self) -> list[tuple[int, int]]:
         """The bounded schedule's segments of tiles after the sink tile, in the order pass 1 visits
@@ -288,7 +290,7 @@ class Plan:
             self.flags.fill(0)
             n_tickets = self.items * (1 if self.all_hot else 2)
             grid = (max(1, min(device.backend().num_sms, n_tickets)),)
-            self._launch(self._pass1_entry("apa_fused"), grid, threads,
+            self.launch(self._pass1_entry("apa_fused"), grid, threads,
                          dict(sz=self.sizes, B=s.B, counters=self.counters, flags=self.flags, pass1=pass1,
                               pass2=pass2),
                          max(self.smem1, self.smem2))
@@ -304,13 +306,13 @@ class Plan:
                 self._form(lo, hi, lo)
                 if not self.all_hot:  # the segment holding tile 1 also visits the sink tile 0
                     span = self._span(0 if lo == 1 else lo, hi, lo)
-                    self._launch(self._pass1_entry("apa_pass1_segment"), grid, threads,
+                    self.launch(self._pass1_entry("apa_pass1_segment"), grid, threads,
                                  dict(sz=self.sizes, pass1=dict(pass1, span=span)), self.smem1)
             if not early:
                 self._means()
         elif not self.all_hot:
-            self._launch(self._pass1_entry("apa_pass1"), grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
-        self._launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
+            self.launch(self._pass1_entry("apa_pass1"), grid, threads, dict(sz=self.sizes, pass1=pass1), self.smem1)
+        self.launch("apa_pass2", grid, threads, dict(sz=self.sizes, pass2=pass2), self.smem2)
 
     def stats(self) -> Stats:
         """The statistics prep used (§5.1–5.2), on the host."""

@@ -96,7 +96,7 @@ def launch_times(plan, call, reps):
     each launch."""
     import cupy as cp
 
-    launch, runs = plan._launch, []
+    launch, runs = plan.launch, []
 
     def timed(name, *args):
         a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -105,14 +105,14 @@ def launch_times(plan, call, reps):
         b.record()
         runs[-1].append((name, a, b))
 
-    plan._launch = timed
+    plan.launch = timed
     try:
         for _ in range(reps + 1):
             runs.append([])
             call()
         cp.cuda.get_current_stream().synchronize()
     finally:
-        plan._launch = launch
+        plan.launch = launch
     names = [name for name, _, _ in runs[-1]]
     return {n: float(np.median([cp.cuda.get_elapsed_time(a, b) for r in runs[1:] for m, a, b in r if m == n]))
             for n in names}
