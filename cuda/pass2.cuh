@@ -303,18 +303,18 @@ __device__ __forceinline__ void p2_record_channels(uint8_t* rec, int c, float2 p
     *reinterpret_cast<uint32_t*>(rec + ROW_OUT + 2 * c) = pr;
 }
 
-// §10: the head of row r's record, b, hk, r, then head = (m1, l1, m2, l2, ad1, err_bound, ws1, p2,
-// err_est).
+// §10: the head of row r's record: b, hk, r, m1, l1, m2, l2, ad1, err_bound (eb), ws1, p2, err_est (ee).
 __device__ __forceinline__ void p2_record_head(const Pass2Args& a, const Geom& geo, const WarpRows& wr, size_t bh,
-                                               int b, int hk, int r, const float (&head)[9]) {
+                                               int b, int hk, int r, const float (&ml)[P1_ML], float m2, float l2,
+                                               float eb, float p2, float ee) {
     const int rb = a.row_base[bh * geo.nw_buf + wr.w];
     if (rb >= 0) {
         uint8_t* rec = a.trace_rows + (size_t)(rb + (r - wr.row0)) * ROW_BYTES;
         int* hdr = reinterpret_cast<int*>(rec);
         float* fh = reinterpret_cast<float*>(rec);
         hdr[0] = b; hdr[1] = hk; hdr[2] = r;
-#pragma unroll
-        for (int i = 0; i < 9; ++i) fh[3 + i] = head[i];
+        fh[3] = ml[0]; fh[4] = ml[1]; fh[5] = m2; fh[6] = l2;
+        fh[7] = ml[2]; fh[8] = eb; fh[9] = ml[3]; fh[10] = p2; fh[11] = ee;
     }
 }
 #endif
@@ -414,8 +414,7 @@ __device__ APA_P2_MERGE void p2_merge_rows(const Pass2Args& a, const Geom& geo, 
         a.bound[o] = eb;
         a.est[o] = ee;
 #if APA_TRACE
-        const float head[9] = {ml[half][0], ml[half][1], m2, l2, ml[half][2], eb, ml[half][3], p2, ee};
-        p2_record_head(a, geo, wr, bh, b, hk, r, head);
+        p2_record_head(a, geo, wr, bh, b, hk, r, ml[half], m2, l2, eb, p2, ee);
 #endif
     }
 }
