@@ -31,6 +31,8 @@ FMT = ("tests/emu/test_formats.py", "tests/emu/test_fpmath.py", "tests/kernel/te
 SIM = ("tests/kernel/test_gpu_sim.py", "tests/kernel/test_thresholds.py")
 # One rounding of the fma sites seldom reaches a whole problem's output bits: the probes on chosen operands.
 FMA_PROBES = ("tests/kernel/test_gpu_sim.py::test_fma_site_probes_on_simulator",)
+# The budget test's two sides are not traced: its vote and βr on operands at the edge.
+BUDGET_PROBES = ("tests/kernel/test_gpu_sim.py::test_budget_probes_on_simulator",)
 
 
 class Mutant(NamedTuple):
@@ -228,6 +230,13 @@ MUTANTS = [
            "fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h])", "fadd(st.r[h].ws, v.t2[h])",
            tuple(f"tests/kernel/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
                  for c in ("80-budget", "81-budget-bounded", "82-budget-fused-pad-vote"))),
+    Mutant("K34", "kernel budget test: L = (la ⊗ a) ⊕ tl fused (mutants-2026-12b K03)", "cuda/pass1.cuh",
+           "const float L = fadd(fmul(st.r[h].la, v.a[h]), v.tl[h]);", "const float L = madd(st.r[h].la, v.a[h], v.tl[h], true);",
+           BUDGET_PROBES),
+    Mutant("K35", "kernel budget test > → >= (mutants-2026-12b K04)", "cuda/pass1.cuh",
+           "v.t2[h]) > fmul(w.beta[h], fmul(L, L));", "v.t2[h]) >= fmul(w.beta[h], fmul(L, L));", BUDGET_PROBES),
+    Mutant("K36", "kernel βr as (ε² ⊗ X) ⊘ κ (mutants-2026-12b K05)", "cuda/pass1.cuh",
+           "fmul(ee, fdiv(x, kappa))", "fdiv(fmul(ee, x), kappa)", BUDGET_PROBES),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
            ("tests/study/test_attribute_configs.py",)),
