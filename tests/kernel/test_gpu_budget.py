@@ -4,7 +4,7 @@
 
 Neither L nor βr is traced (§10), so on whole problems a last-bit change of either side shows only where a
 row's two sides lie within an ulp, which the simulator cases never reach: an L fused into one rounding, a
-≥ for the >, or βr as (ε² ⊗ X) ⊘ κ passed them (mutants K03, K04, K05 of tools/mutants.py). Here the
+≥ for the >, or βr as (ε² ⊗ X) ⊘ κ passed them (mutants K34, K35, K36 of tools/mutants.py). Here the
 operands put the two sides at equality and one ulp apart. Marked ``gpu``: it runs on the device and, in
 CI, on the CPU simulator (tests/kernel/test_gpu_sim.py runs this file there).
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apa_emu import fpmath
+from helpers import budget_edge_rows, emulated_budget_vote
+
 from apa_emu.merge import budget_beta
-from apa_emu.pass1 import ROWS, P1Mode, P1Rows, P1State, p1_hot_test
 
 from apa_gpu.probes import run_probe_budget_beta, run_probe_budget_vote
 
@@ -25,52 +25,18 @@ F32 = np.float32
 D = 64  # cuda/probe.cu's head dim
 
 
-def _emulated_vote(m, la, ws, c, tl, t2, beta) -> np.ndarray:
-    """apa_emu.pass1.p1_hot_test under the budget test, one running row at a time (row 0 of a warp)."""
-    mode = P1Mode(0, True, True, True, np.arange(64), F32(1), False, False, False, F32(1), True)
-    z = np.zeros(ROWS, F32)
-    runs = np.zeros(ROWS, bool)
-    runs[0] = True
-    out = []
-    for i in range(len(m)):
-        row = lambda x: np.concatenate([F32([x[i]]), z[1:]])  # noqa: E731
-        st = P1State(row(m), row(la), z.copy(), z.copy(), np.zeros((ROWS, 1), F32), z.copy(), row(ws))
-        rows = P1Rows(runs, runs, np.zeros(ROWS, np.int64), np.zeros(ROWS, np.int64), z + F32(1), row(beta))
-        tl2 = np.stack([row(tl), z], axis=1)
-        out.append(p1_hot_test(tl2, row(t2), rows, st, row(c), F32(0), mode))
-    return np.array(out)
-
-
-def _sides_at_the_edge(n: int, seed: int):
-    """n rows whose t2 is the right side βr ⊗ (L ⊗ L) itself (ws = +0, so the left side is t2), or one
-    ulp either side of it, by float32 NumPy (one rounding an operation), with a = exp2s(m ⊖ c) < 1 so
-    that la ⊗ a rounds. Also what L would be fused, fma(la, a, tl)."""
-    rng = np.random.default_rng(seed)
-    m = np.zeros(n, F32)
-    c = rng.uniform(0.1, 6, n).astype(F32)
-    a = fpmath.exp2s_np(m - c)
-    la, tl = rng.uniform(1, 200, n).astype(F32), rng.uniform(0.01, 20, n).astype(F32)
-    beta = rng.uniform(1e-6, 1e-2, n).astype(F32)
-    L = la * a + tl
-    right = beta * (L * L)
-    toward = np.where(np.arange(n) % 3 == 1, F32(0), F32(np.inf)).astype(F32)
-    t2 = np.where(np.arange(n) % 3 == 0, right, np.nextafter(right, toward))
-    fused = fpmath.fma32_arrays(la, a, tl)
-    return (m, la, np.zeros(n, F32), c, tl, t2.astype(F32), beta), right, fused
-
-
 def test_budget_vote_at_the_edge_matches_the_emulator():
     """Rows at equality must vote cold (the rule is a strict >), rows one ulp above hot, one ulp below
     cold, by hand from float32 NumPy; kernel and emulator agree on every row. Among them rows where
     a fused L would flip the verdict, and a row with no mass and no visible key (la = ws = tl = t2 = +0,
     c = m = −inf), whose 0 > βr ⊗ 0 is false: it never makes a tile hot."""
-    ops, right, fused = _sides_at_the_edge(3000, 11)
+    ops, right, fused = budget_edge_rows(3000, 11)
     m, la, ws, c, tl, t2, beta = ops
     empty = (F32([-np.inf]), F32([0]), F32([0]), F32([-np.inf]), F32([0]), F32([0]), F32([0.25]))
     ops = tuple(np.concatenate([x, e]) for x, e in zip(ops, empty))
     want = np.concatenate([t2 > right, [False]])
     got = run_probe_budget_vote(*ops)
-    assert np.array_equal(got, _emulated_vote(*ops))
+    assert np.array_equal(got, emulated_budget_vote(*ops))
     assert np.array_equal(got, want), np.flatnonzero(got != want)
     assert want[:-1].sum() == len(t2) // 3 and not want[-1]
     # the interesting case happened: rows whose verdict a fused L changes
