@@ -11,7 +11,8 @@ run, also on Ctrl-C or SIGTERM. It edits the checkout it lives in: run it in a w
 (apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
 The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
 K1–K6 in the kernel. (M14 is equivalent inside `attention`, which packs one KV head at a time; a
-direct test of the packing kills it.)
+direct test of the packing kills it.) M42–M53 and K34–K36 are the survivors of
+shared/research/reviews/mutants-2026-12b.md, each with a test written to kill it.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ MUTANTS = [
            "fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h])", "fadd(st.r[h].ws, v.t2[h])",
            tuple(f"tests/kernel/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
                  for c in ("80-budget", "81-budget-bounded", "82-budget-fused-pad-vote"))),
+    # mutants-2026-12b's survivors, each naming its id there
     Mutant("K34", "kernel budget test: L = (la ⊗ a) ⊕ tl fused (mutants-2026-12b K03)", "cuda/pass1.cuh",
            "const float L = fadd(fmul(st.r[h].la, v.a[h]), v.tl[h]);", "const float L = madd(st.r[h].la, v.a[h], v.tl[h], true);",
            BUDGET_PROBES),
@@ -237,7 +239,6 @@ MUTANTS = [
            "v.t2[h]) > fmul(w.beta[h], fmul(L, L));", "v.t2[h]) >= fmul(w.beta[h], fmul(L, L));", BUDGET_PROBES),
     Mutant("K36", "kernel βr as (ε² ⊗ X) ⊘ κ (mutants-2026-12b K05)", "cuda/pass1.cuh",
            "fmul(ee, fdiv(x, kappa))", "fdiv(fmul(ee, x), kappa)", BUDGET_PROBES),
-    # mutants-2026-12b's survivors, by their ids there
     Mutant("M42", "§9.8 step 7: +inf only where no channel is finite (mutants-2026-12b E04)", "apa_emu/merge.py",
            "np.where(np.isfinite(out).all(axis=1), est, F32(np.inf))",
            "np.where(np.isfinite(out).any(axis=1), est, F32(np.inf))", ("tests/emu/test_err_est_rules.py",)),
