@@ -1,5 +1,5 @@
 """Single-instruction and single-primitive kernels of cuda/probe.cu, run on the selected backend for
-the tests (tests/kernel/test_gpu_mma.py, tests/kernel/test_gpu_formats.py)."""
+the tests (tests/kernel/test_gpu_mma.py, tests/kernel/test_gpu_formats.py, tests/kernel/test_gpu_budget.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ MMA_F32, MMA_F16 = DECLARED["ProbeMmaF32Params"], DECLARED["ProbeMmaF16Params"]
 WGMMA, WGMMA_F16 = DECLARED["ProbeWgmmaParams"], DECLARED["ProbeWgmmaF16Params"]
 EXP2, CODES, QUANT16 = DECLARED["ProbeExp2Params"], DECLARED["ProbeCodesParams"], DECLARED["ProbeQuant16Params"]
 TABLES, PSCALE, MERGE = DECLARED["ProbeTablesParams"], DECLARED["ProbePscaleParams"], DECLARED["ProbeMergeParams"]
+VOTE, BETA = DECLARED["ProbeBudgetVoteParams"], DECLARED["ProbeBudgetBetaParams"]
 KERNELS = {"apa_probe_mma_f32": MMA_F32, "apa_probe_mma_f16": MMA_F16, "apa_probe_wgmma": WGMMA,
            "apa_probe_wgmma_f16": WGMMA_F16, "apa_probe_exp2": EXP2, "apa_probe_codes": CODES,
            "apa_probe_quant16": QUANT16, "apa_probe_tables": TABLES, "apa_probe_pscale": PSCALE,
-           "apa_probe_merge": MERGE}
+           "apa_probe_merge": MERGE, "apa_probe_budget_vote": VOTE, "apa_probe_budget_beta": BETA}
 
 
 def _run(name: str, blocks: int, threads: int, params: dict) -> None:
@@ -125,3 +126,25 @@ def run_probe_merge(m1, l1, part, m2, l2, o2, fma: bool):
     _run("apa_probe_merge", -(-n // 128), 128, dict(zip(("m1", "l1", "part", "m2", "l2", "o2"), rows), out=out,
                                                     count=n, fma=fma))
     return xp.asnumpy(out).view(np.float16).reshape(n, 2)
+
+
+def run_probe_budget_vote(m, la, ws, c, tl, t2, beta):
+    """§7.7's budget vote of each row alone (state m, la, ws; visit c, tl, t2; βr): bool [R], hot."""
+    xp = device.backend().xp
+    cols = [_f32(np.ravel(x)) for x in (m, la, ws, c, tl, t2, beta)]
+    n = cols[0].size
+    hot = xp.zeros(n, np.uint8)
+    _run("apa_probe_budget_vote", -(-n // 4), 128, dict(zip(("m", "la", "ws", "c", "tl", "t2", "beta"), cols),
+                                                         hot=hot, count=n))
+    return xp.asnumpy(hot).astype(bool)
+
+
+def run_probe_budget_beta(eps, cq, qstat, kvstat, rho):
+    """§7.7's βr of rows c_q [R], qstat [R, 3] against one head's kvstat [9] (binary32): float32 [R]."""
+    xp = device.backend().xp
+    n = np.size(cq)
+    beta = xp.empty(n, np.float32)
+    kv = xp.asarray(np.ascontiguousarray(kvstat, dtype=F32).view(np.uint32))
+    _run("apa_probe_budget_beta", -(-n // 256), 128, dict(cq=_f32(np.ravel(cq)), qstat=_f32(qstat), kvstat=kv,
+                                                         beta=beta, count=n, eps=eps, rho=rho))
+    return xp.asnumpy(beta)

@@ -3,7 +3,8 @@
 // scale-d = 0
 // (numerics.md §3.1; research/mma_models.md §8) and the arithmetic primitives of fpmath.cuh and
 // formats.cuh, so that each can be compared bitwise with the emulator in isolation; and two of the
-// seed's FMA sites (§1.8) on chosen operands: §7.4's P scale and §9.3–9.4's merge.
+// seed's FMA sites (§1.8) on chosen operands: §7.4's P scale and §9.3–9.4's merge; and §7.7's budget
+// test, its vote and βr, whose last bits no traced field shows.
 #define APA_D 64  // pass1.cuh needs a head dim; the P scale of §7.4 does not depend on it
 #include "fpmath.cuh"
 #include "formats.cuh"
@@ -81,6 +82,23 @@ struct ProbePscaleParams {
     X(const float*, o2) X(uint32_t*, out) X(long long, count) X(int, fma)
 struct ProbeMergeParams {
     APA_FIELDS_ProbeMergeParams(APA_MEMBER)
+};
+
+// §7.7's budget vote of single rows, one row a warp (the vote is warp-wide): state (m, la, ws), visit
+// (c, tl, t2) and βr; hot is 1 where the row votes hot.
+#define APA_FIELDS_ProbeBudgetVoteParams(X)                                                           \
+    X(const float*, m) X(const float*, la) X(const float*, ws) X(const float*, c) X(const float*, tl) \
+    X(const float*, t2) X(const float*, beta) X(uint8_t*, hot) X(long long, count)
+struct ProbeBudgetVoteParams {
+    APA_FIELDS_ProbeBudgetVoteParams(APA_MEMBER)
+};
+
+// §7.7's βr of rows (c_q, qstat [count][3]) against one head's kvstat [KV_STATS] (float bits).
+#define APA_FIELDS_ProbeBudgetBetaParams(X)                                                                 \
+    X(const float*, cq) X(const float*, qstat) X(const unsigned int*, kvstat) X(float*, beta) X(long long, count) \
+    X(float, eps) X(float, rho)
+struct ProbeBudgetBetaParams {
+    APA_FIELDS_ProbeBudgetBetaParams(APA_MEMBER)
 };
 
 __device__ __forceinline__ void probe_frags(const uint16_t* A, const uint16_t* B, uint32_t (&a)[4], uint32_t& b0,
@@ -257,6 +275,44 @@ extern "C" __global__ void apa_probe_merge(const __grid_constant__ ProbeMergePar
     p.out[i] = f16x2(y.x, y.y);
 }
 
+// Lane 0's row lo carries the item; every other row runs no vote. moved: a = exp2(m ⊖ c) unless c == m.
+extern "C" __global__ void apa_probe_budget_vote(const __grid_constant__ ProbeBudgetVoteParams p) {
+    const long long i = (long long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (i >= p.count) return;  // uniform across the warp
+    const bool mine = (threadIdx.x & 31) == 0;
+    WarpRows wr{};
+    wr.run_lo = mine;
+    P1Warp w{};
+    w.beta[0] = mine ? p.beta[i] : 0.0f;
+    P1State<1> st;
+    p1_init(st);
+    st.m[0] = mine ? p.m[i] : 0.0f, st.m[1] = 0.0f;
+    st.r[0].la = mine ? p.la[i] : 0.0f, st.r[0].ws = mine ? p.ws[i] : 0.0f;
+    P1Visit v{};
+    v.moved = true;
+    v.c[0] = mine ? p.c[i] : 0.0f, v.tl[0] = mine ? p.tl[i] : 0.0f, v.t2[0] = mine ? p.t2[i] : 0.0f;
+    const bool hot = p1_budget_vote(wr, w, st, v);
+    if (mine) p.hot[i] = hot;
+}
+
+// Thread t forms βr of items 2t (row lo) and 2t + 1 (row hi), as pass 1 does for its lane's rows.
+extern "C" __global__ void apa_probe_budget_beta(const __grid_constant__ ProbeBudgetBetaParams p) {
+    const long long i0 = 2 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i0 >= p.count) return;
+    Pass1Args a{};
+    a.qstat = p.qstat, a.kvstat = p.kvstat, a.eps = p.eps, a.rho = p.rho;
+    GeomSizes sizes{};  // n = 0: no buffer stride, so row r reads qstat[r]
+    sizes.H = sizes.Hkv = 1;
+    const Geom geo(sizes, 0);
+    WarpRows wr{};
+    wr.r_lo = (int)i0, wr.r_hi = (int)min(i0 + 1, p.count - 1);
+    const float cq[2] = {p.cq[wr.r_lo], p.cq[wr.r_hi]};
+    float beta[2];
+    p1_budget_beta(a, geo, wr, 0, cq, beta);
+    p.beta[i0] = beta[0];
+    if (i0 + 1 < p.count) p.beta[i0 + 1] = beta[1];
+}
+
 APA_PARAMS_EXPORT(ProbeMmaF32Params)
 APA_PARAMS_EXPORT(ProbeMmaF16Params)
 APA_PARAMS_EXPORT(ProbeWgmmaParams)
@@ -267,3 +323,5 @@ APA_PARAMS_EXPORT(ProbeQuant16Params)
 APA_PARAMS_EXPORT(ProbeTablesParams)
 APA_PARAMS_EXPORT(ProbePscaleParams)
 APA_PARAMS_EXPORT(ProbeMergeParams)
+APA_PARAMS_EXPORT(ProbeBudgetVoteParams)
+APA_PARAMS_EXPORT(ProbeBudgetBetaParams)

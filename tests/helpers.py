@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from apa_emu import formats
+from apa_emu import formats, fpmath
+from apa_emu.pass1 import ROWS, P1Mode, P1Rows, P1State, p1_hot_test
 from apa_emu.study import scan
 from apa_emu.study.synth import synthetic
 
@@ -69,6 +70,40 @@ def f32_exact_rne(q: Fraction) -> np.float32:
     f = np.float32(float(q))
     around = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
     return min(around, key=lambda x: (abs(Fraction(float(x)) - q), int(x.view(np.uint32)) & 1))
+
+
+def emulated_budget_vote(m, la, ws, c, tl, t2, beta) -> np.ndarray:
+    """apa_emu.pass1.p1_hot_test under the budget test, one running row at a time (row 0 of a warp)."""
+    mode = P1Mode(0, True, True, True, np.arange(64), np.float32(1), False, False, False, np.float32(1), True)
+    z = np.zeros(ROWS, np.float32)
+    runs = np.zeros(ROWS, bool)
+    runs[0] = True
+    out = []
+    for i in range(len(m)):
+        row = lambda x: np.concatenate([np.float32([x[i]]), z[1:]])  # noqa: E731
+        st = P1State(row(m), row(la), z.copy(), z.copy(), np.zeros((ROWS, 1), np.float32), z.copy(), row(ws))
+        rows = P1Rows(runs, runs, np.zeros(ROWS, np.int64), np.zeros(ROWS, np.int64), z + np.float32(1), row(beta))
+        tl2 = np.stack([row(tl), z], axis=1)
+        out.append(p1_hot_test(tl2, row(t2), rows, st, row(c), np.float32(0), mode))
+    return np.array(out)
+
+
+def budget_edge_rows(n: int, seed: int):
+    """n rows whose t2 is the right side βr ⊗ (L ⊗ L) itself (ws = +0, so the left side is t2), or one
+    ulp either side of it, by float32 NumPy (one rounding an operation), with a = exp2s(m ⊖ c) < 1 so
+    that la ⊗ a rounds. Also what L would be fused, fma(la, a, tl)."""
+    rng = np.random.default_rng(seed)
+    m = np.zeros(n, np.float32)
+    c = rng.uniform(0.1, 6, n).astype(np.float32)
+    a = fpmath.exp2s_np(m - c)
+    la, tl = rng.uniform(1, 200, n).astype(np.float32), rng.uniform(0.01, 20, n).astype(np.float32)
+    beta = rng.uniform(1e-6, 1e-2, n).astype(np.float32)
+    L = la * a + tl
+    right = beta * (L * L)
+    toward = np.where(np.arange(n) % 3 == 1, np.float32(0), np.float32(np.inf)).astype(np.float32)
+    t2 = np.where(np.arange(n) % 3 == 0, right, np.nextafter(right, toward))
+    fused = fpmath.fma32_arrays(la, a, tl)
+    return (m, la, np.zeros(n, np.float32), c, tl, t2.astype(np.float32), beta), right, fused
 
 
 def first_diff(a, b, x):

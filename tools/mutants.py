@@ -11,7 +11,8 @@ run, also on Ctrl-C or SIGTERM. It edits the checkout it lives in: run it in a w
 (apa_emu/__init__.py), and kernel edits change the simulator build's key (apa_gpu/build.py).
 The set is the test audit's (shared/research/reviews/test-audit.md §5): M01–M20 in the emulator,
 K1–K6 in the kernel. (M14 is equivalent inside `attention`, which packs one KV head at a time; a
-direct test of the packing kills it.)
+direct test of the packing kills it.) M42–M53 and K34–K36 are the survivors of
+shared/research/reviews/mutants-2026-12b.md, each with a test written to kill it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ FMT = ("tests/emu/test_formats.py", "tests/emu/test_fpmath.py", "tests/kernel/te
 SIM = ("tests/kernel/test_gpu_sim.py", "tests/kernel/test_thresholds.py")
 # One rounding of the fma sites seldom reaches a whole problem's output bits: the probes on chosen operands.
 FMA_PROBES = ("tests/kernel/test_gpu_sim.py::test_fma_site_probes_on_simulator",)
+# The budget test's two sides are not traced: its vote and βr on operands at the edge.
+BUDGET_PROBES = ("tests/kernel/test_gpu_sim.py::test_budget_probes_on_simulator",)
 
 
 class Mutant(NamedTuple):
@@ -228,6 +231,47 @@ MUTANTS = [
            "fadd(fmul(fmul(st.r[h].ws, v.a[h]), v.a[h]), v.t2[h])", "fadd(st.r[h].ws, v.t2[h])",
            tuple(f"tests/kernel/test_gpu_sim.py::test_kernel_sources_on_simulator_match_emulator[{c}]"
                  for c in ("80-budget", "81-budget-bounded", "82-budget-fused-pad-vote"))),
+    # mutants-2026-12b's survivors, each naming its id there
+    Mutant("K34", "kernel budget test: L = (la ⊗ a) ⊕ tl fused (mutants-2026-12b K03)", "cuda/pass1.cuh",
+           "const float L = fadd(fmul(st.r[h].la, v.a[h]), v.tl[h]);", "const float L = madd(st.r[h].la, v.a[h], v.tl[h], true);",
+           BUDGET_PROBES),
+    Mutant("K35", "kernel budget test > → >= (mutants-2026-12b K04)", "cuda/pass1.cuh",
+           "v.t2[h]) > fmul(w.beta[h], fmul(L, L));", "v.t2[h]) >= fmul(w.beta[h], fmul(L, L));", BUDGET_PROBES),
+    Mutant("K36", "kernel βr as (ε² ⊗ X) ⊘ κ (mutants-2026-12b K05)", "cuda/pass1.cuh",
+           "fmul(ee, fdiv(x, kappa))", "fdiv(fmul(ee, x), kappa)", BUDGET_PROBES),
+    Mutant("M42", "§9.8 step 7: +inf only where no channel is finite (mutants-2026-12b E04)", "apa_emu/merge.py",
+           "np.where(np.isfinite(out).all(axis=1), est, F32(np.inf))",
+           "np.where(np.isfinite(out).any(axis=1), est, F32(np.inf))", ("tests/emu/test_err_est_rules.py",)),
+    Mutant("M43", "§7.6 t2 under sm120 by the exact chain (mutants-2026-12b E09)", "apa_emu/pass1.py",
+           "            if model == EXACT:\n                mma_exact(row, row, zero, one)",
+           "            if model >= SM120:\n                mma_exact(row, row, zero, one)", ("tests/emu/test_err_est_rules.py",)),
+    Mutant("M44", "§9.8 C_A of a binary32 pass-2 output 2⁻²¹ (mutants-2026-12b N01)", "apa_emu/constants.py",
+           'F32(2.0**(-21 if p2_out == "f16" else -47))', 'F32(2.0**(-21 if p2_out != "exact" else -47))',
+           ("tests/emu/test_spec_constants.py",)),
+    Mutant("M45", "§7.7 budget test > → >= (mutants-2026-12b E07)", "apa_emu/pass1.py",
+           "if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):",
+           "if (st.ws[r] * a) * a + t2[r] >= rows.beta[r] * (big * big):", ("tests/emu/test_budget_vote.py",)),
+    Mutant("M46", "§7.7 a voting padding row's βr from row R − 1's qstat, not +0 (mutants-2026-12b E15)",
+           "apa_emu/api.py", "qstat = self._rows(p.qstat, wr, 0)", "qstat = self._p1_rows(p.qstat, wr, 0)",
+           ("tests/emu/test_budget_vote.py",)),
+    Mutant("M47", "§6.1 window reach: a row whose window starts one past the last key accepted (mutants-2026-12b C05)",
+           "apa_emu/call.py", "if last - window + 1 > S - 1:", "if last - window > S - 1:", ("tests/emu/test_call_edges.py",)),
+    Mutant("M48", "varlen warps=: sequence b gets the warps of sequences ≤ b (mutants-2026-12b C07)", "apa_emu/call.py",
+           "in triples if bb == b)", "in triples if bb <= b)", ("tests/emu/test_call_edges.py",)),
+    Mutant("M49", "call_arguments: an unbatched paged call's table passed as [1, pages] (mutants-2026-12b G01)",
+           "apa_emu/engines.py", "block_table=call.pages.table[0] if call.squeeze else call.pages.table,",
+           "block_table=call.pages.table,", ("tests/emu/test_engines_edges.py",)),
+    Mutant("M50", "Seen counts cold tiles on an all-hot run (mutants-2026-12b G02)", "apa_emu/testing.py",
+           '("cold tiles", emu.hot_tiles < emu.active_tiles)', '("cold tiles", emu.hot_tiles <= emu.active_tiles)',
+           ("tests/emu/test_engines_edges.py",)),
+    Mutant("M51", "assert_matches_emulator ignores the engine's claimed config (mutants-2026-12b G03)", "apa_emu/testing.py",
+           "cfg = claimed_config(chosen) if config is None", "cfg = Config() if config is None",
+           ("tests/emu/test_engines_edges.py",)),
+    Mutant("M52", "scan ranking: pairs with no estimate first among the finite (mutants-2026-12b S03)",
+           "apa_emu/study/scan.py", "np.where(np.isnan(rel), np.inf, -rel)", "np.where(np.isnan(rel), -np.inf, -rel)",
+           ("tests/study/test_scan_ranking.py",)),
+    Mutant("M53", "scan ranking: predicted error over ‖out‖², not ‖out‖ (mutants-2026-12b S04)", "apa_emu/study/scan.py",
+           "return score / np.sqrt(self.sums.out_sq)", "return score / self.sums.out_sq", ("tests/study/test_scan_ranking.py",)),
     Mutant("S1", "attribute: the seed's toggles applied over the variant's change", "apa_emu/study/commands/attribute.py",
            "cfg.replace(**{**SEED_TOGGLES, **change})", "cfg.replace(**{**change, **SEED_TOGGLES})",
            ("tests/study/test_attribute_configs.py",)),

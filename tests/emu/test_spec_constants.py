@@ -105,3 +105,21 @@ def test_key_scale_counts_the_key_mean_with_a_quiet_block():
     # the quiet block's block scale am/6 ⊘ kg is subnormal in E4M3 (below 2⁻⁶) at either kg
     quiet = np.abs(k64[:, 0, :16] - k64[:, 0, :16].mean(axis=0)).max() / 6
     assert quiet / want < float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).smallest_normal)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("quant_p", (True, False))
+@pytest.mark.parametrize("cfg,p2_out", [(Config(), "f16"), (Config(p2_accum="f32"), "f32"), (Config(mma="exact"), "exact"),
+                                        (Config(mma="exact", p2_accum="f32"), "exact")], ids=["f16", "f32", "exact",
+                                                                                             "exact-f32"])
+def test_estimate_constants_follow_the_table_of_section_9_8(d, quant_p, cfg, p2_out):
+    """§9.8's table by hand, exact fractions: ρ by quant_p, C_S and C_P by the model, C_A by the pass-2
+    output format (2⁻²¹ FP16 O, 2⁻⁴⁷ binary32 and exact O), Z = 2. The emulator and the kernel's
+    Pass2Args take the same EstConsts, so no bitwise cross-check can see a wrong entry."""
+    c = cfg.replace(quant_p=quant_p).est_consts(d)
+    exact = p2_out == "exact"
+    assert c.rho == f32(Fraction(1, 2**7) if quant_p else Fraction(1, 2**25))
+    assert c.cs == f32(Fraction(d, 16) * Fraction(1, 2**50 if exact else 2**26))
+    assert c.cp == f32(Fraction(0) if exact else Fraction(1, 2**25))
+    assert c.ca == f32(Fraction(1, 2**21) if p2_out == "f16" else Fraction(1, 2**47)), f"C_A of a {p2_out} output"
+    assert c.z == F32(2)

@@ -287,14 +287,24 @@ def test_the_cases_cover_what_the_kernel_has():
     assert len(bounded) == 11 and sum(MIXED in p.values[1] for p in bounded) >= 4
 
 
+def _gpu_file_passes_on_simulator(tmp_path, path: str, tests: int) -> None:
+    """A test file marked gpu, run whole on the simulator: every one of its ``tests`` passes."""
+    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and re.search(rf"^{tests} passed", r.stdout, re.M), r.stdout + r.stderr
+
+
 def test_fma_site_probes_on_simulator(tmp_path):
     """tests/kernel/test_gpu_fma_sites.py (marked gpu) on the simulator: the probes of §7.4's and §9.3–9.4's FMA
     sites, which whole problems seldom expose, run in CI too."""
-    env = dict(os.environ, APA_GPU_BACKEND="sim", APA_GPU_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/kernel/test_gpu_fma_sites.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=1800)
-    assert r.returncode == 0 and re.search(r"^3 passed", r.stdout, re.M), r.stdout + r.stderr
+    _gpu_file_passes_on_simulator(tmp_path, "tests/kernel/test_gpu_fma_sites.py", 3)
+
+
+def test_budget_probes_on_simulator(tmp_path):
+    """tests/kernel/test_gpu_budget.py (marked gpu) on the simulator: §7.7's budget vote and βr on operands
+    at the edge of the vote, whose last bits no traced field shows, run in CI too."""
+    _gpu_file_passes_on_simulator(tmp_path, "tests/kernel/test_gpu_budget.py", 2)
 
 
 def test_quant16_probe_on_simulator(tmp_path):
