@@ -91,7 +91,7 @@ class Config:
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # every on/off toggle
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.q_terms not in (1, 2):
+        if not isinstance(self.q_terms, (int, np.integer)) or isinstance(self.q_terms, bool) or self.q_terms not in (1, 2):
             raise ValueError(f"config.q_terms={self.q_terms!r}: expected 1 or 2")
         if not isinstance(self.tau, (int, np.integer)) or isinstance(self.tau, bool) or not 0 <= self.tau <= 8:
             raise ValueError(f"config.tau={self.tau!r}: expected an integer in 0..8")
