@@ -57,8 +57,12 @@ def kernel_class() -> type[Engine] | None:
 
 
 def kernel_schedules() -> tuple[str, ...]:
-    """The kernel's launch schedules, each of which apa check runs."""
-    cls = kernel_class()
+    """The kernel's launch schedules, each of which apa check runs (none known under a bad
+    $APA_ENGINES, which apa check reports as it loads its engine)."""
+    try:
+        cls = kernel_class()
+    except ValueError:
+        return ()
     return tuple(cls.options.get("schedule", ())) if cls else ()
 
 

@@ -59,11 +59,21 @@ def _devices(text: str) -> tuple[int, ...]:
 
 
 def _backend(text: str) -> str:
-    names = backends()
+    try:
+        names = backends()
+    except ValueError as e:  # a bad $APA_ENGINES: said where an engine is chosen, not in --help or synth
+        raise argparse.ArgumentTypeError(str(e)) from None
     if text in names or ":" in text:
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))} or "
                                      f"module:callable)")
+
+
+def _backend_names() -> str:
+    try:
+        return ",".join(backends())
+    except ValueError:  # a bad $APA_ENGINES, reported by --backend's parse
+        return "auto,cpu"
 
 
 def study_options(p, many=True, units=True) -> None:
@@ -78,7 +88,7 @@ def study_options(p, many=True, units=True) -> None:
         p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                    "(keys below)")
-    p.add_argument("--backend", type=_backend, default="auto", metavar="{" + ",".join(backends()) + "}|MODULE:CALLABLE",
+    p.add_argument("--backend", type=_backend, default="auto", metavar="{" + _backend_names() + "}|MODULE:CALLABLE",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
