@@ -296,8 +296,8 @@ def _check_fields(name: str, res: Result, pairs: tuple) -> None:
     integer tile counts; else an EngineError naming the field (the studies index them all)."""
     for field in ("active_tiles", "hot_tiles"):
         value = getattr(res, field)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-            raise EngineError(f"engine {name} returned {field}={value!r}, expected an integer")
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))):
+            raise EngineError(f"engine {name} returned {field}={value!r}, expected an integer (or None)")
     for field, kind in (("err_bound", "f"), ("err_est", "f"), ("hot", "iu"), ("visits", "V"), ("rows", "V")):
         value = getattr(res, field)
         if value is None:

@@ -88,7 +88,7 @@ def test_a_head_dim_the_engine_does_not_declare_is_refused_on_dumps(capsys, dump
     ("str_hot", "engine str_hot returned hot of type str, expected an integer array"),
     ("flat_bound", f"engine {H}:flat_bound returned err_bound of shape (3,), expected (16, 2)"),
     ("list_est", f"engine {H}:list_est returned err_est of type list, expected a float array"),
-    ("float_tiles", f"engine {H}:float_tiles returned hot_tiles=1.5, expected an integer"),
+    ("float_tiles", f"engine {H}:float_tiles returned hot_tiles=1.5, expected an integer (or None)"),
     ("plain_visits", "engine plain_visits returned visits of type ndarray and dtype int8, expected §10's"),
 ])
 @pytest.mark.parametrize("command", [["check", "--warps", "0"], ["scan", "--rows", "0"], ["worst", "--by", "est"],

@@ -97,7 +97,7 @@ def study_options(p, many=True, units=True) -> None:
     if many and units:
         p.add_argument("--cluster", type=cluster.parse, metavar="local[:N] | tcp://HOST:PORT",
                        help="run the (dump, KV head) units on Dask (the cluster extra): local starts one worker "
-                            "per GPU, or N (default: one per CPU) on the CPU; tcp://HOST:PORT uses a running "
+                            "per GPU, or N (default: one per CPU; at most the CPU count, as --workers) on the CPU; tcp://HOST:PORT uses a running "
                             "scheduler whose workers see the dumps at the same paths. Same tables; --json adds "
                             "each worker's units and seconds (default: in this process)")
         p.add_argument("--devices", type=_devices, metavar="I,J",
