@@ -7,27 +7,17 @@ declare, and a Result field of the wrong type or shape, in apa check and in the 
 from __future__ import annotations
 
 import pytest
+from helpers import one_error_line, tiny_dump
 
 from apa_emu.engines import EngineError, engine
 from apa_emu.study.cli import main
-from apa_emu.study.dump import write_dump
-from apa_emu.study.synth import synthetic
 
 H = "user_engines.hostile"
 
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    """16 rows, 4/2 heads, 128 keys, d = 64."""
-    d = synthetic(16, 128, 4, 2, 64, seed=3)
-    return str(write_dump(tmp_path_factory.mktemp("refusals") / "tiny.apadump", d.q, d.k, d.v, d.q_offset))
-
-
-def _one_line(capsys, argv, words: str) -> None:
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert err.count("\n") == 1 and err.startswith(f"apa: error: {words}"), err
-    assert "Traceback" not in out + err
+    return tiny_dump(tmp_path_factory.mktemp("refusals"))
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -40,7 +30,7 @@ def _one_line(capsys, argv, words: str) -> None:
 @pytest.mark.parametrize("command", ["check", "scan"])
 def test_a_class_that_cannot_be_an_engine_is_one_line(capsys, dump, spec, words, command):
     argv = ["check", "--engine", spec, dump] if command == "check" else ["scan", dump, "--backend", spec]
-    _one_line(capsys, argv, words)
+    one_error_line(capsys, argv, words)
 
 
 @pytest.mark.parametrize("value, words", [
@@ -52,7 +42,7 @@ def test_a_class_that_cannot_be_an_engine_is_one_line(capsys, dump, spec, words,
 ])
 def test_a_bad_registration_is_one_line_naming_it(capsys, dump, monkeypatch, value, words):
     monkeypatch.setenv("APA_ENGINES", value)
-    _one_line(capsys, ["check", "--engine", "mine", dump], words)
+    one_error_line(capsys, ["check", "--engine", "mine", dump], words)
 
 
 def test_a_bad_registration_stops_only_the_commands_that_choose_an_engine(capsys, dump, monkeypatch, tmp_path):
@@ -61,7 +51,7 @@ def test_a_bad_registration_stops_only_the_commands_that_choose_an_engine(capsys
     assert main(["synth", str(tmp_path / "t.apadump"), "--n", "16", "--kv", "64", "--heads", "2", "--kv-heads", "1",
                  "--d", "64"]) == 0
     capsys.readouterr()
-    _one_line(capsys, ["scan", dump], "scan: argument --backend: APA_ENGINES: 'foo' is not name=module:Class")
+    one_error_line(capsys, ["scan", dump], "scan: argument --backend: APA_ENGINES: 'foo' is not name=module:Class")
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -80,7 +70,7 @@ def test_a_bad_declaration_is_refused_as_declared(kw, words):
                          ids=["check", "scan"])
 def test_a_head_dim_the_engine_does_not_declare_is_refused_on_dumps(capsys, dump, argv):
     argv = [*argv[:1], dump, *argv[1:]] if argv[0] == "scan" else [*argv, dump]
-    _one_line(capsys, argv, f"{'--engine' if argv[0] == 'check' else '--backend'} {H}:only_128: engine only_128 "
+    one_error_line(capsys, argv, f"{'--engine' if argv[0] == 'check' else '--backend'} {H}:only_128: engine only_128 "
                             f"does not run head dim 64 (it declares head dims 128)")
 
 
@@ -98,4 +88,4 @@ def test_an_ill_typed_result_field_is_one_line_naming_it(capsys, dump, fn, words
     name, *options = command
     spec = f"{H}:{fn}"
     argv = [name, "--engine", spec, dump, *options] if name == "check" else [name, dump, "--backend", spec, *options]
-    _one_line(capsys, argv, words)
+    one_error_line(capsys, argv, words)

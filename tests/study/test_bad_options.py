@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from helpers import one_error_line, tiny_dump
 
 import apa_emu
 from apa_emu import Config
@@ -16,22 +17,13 @@ from apa_emu.engines import wrap
 from apa_emu.study import cluster
 from apa_emu.study.cli import main
 from apa_emu.study.commands.worst import worst_jobs
-from apa_emu.study.dump import read_dump, write_dump
+from apa_emu.study.dump import read_dump
 from apa_emu.study.scan import Job
-from apa_emu.study.synth import synthetic
 
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    """16 rows, 4/2 heads, 128 keys, d = 64."""
-    d = synthetic(16, 128, 4, 2, 64, seed=3)
-    return str(write_dump(tmp_path_factory.mktemp("options") / "tiny.apadump", d.q, d.k, d.v, d.q_offset))
-
-
-def _one_line(capsys, argv, words: str) -> None:
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert err.count("\n") == 1 and err.startswith(f"apa: error: {words}"), err
+    return tiny_dump(tmp_path_factory.mktemp("options"))
 
 
 def test_a_local_cluster_is_clamped_to_the_cpus_like_workers(capsys):
@@ -44,7 +36,7 @@ def test_a_local_cluster_is_clamped_to_the_cpus_like_workers(capsys):
 
 @pytest.mark.parametrize("bound", ["-1", "nan", "inf", "abc"])
 def test_max_rel_l2_must_be_a_finite_number_at_least_zero(capsys, dump, bound):
-    _one_line(capsys, ["check", "--engine", "cpu", "--max-rel-l2", bound, dump],
+    one_error_line(capsys, ["check", "--engine", "cpu", "--max-rel-l2", bound, dump],
               f"check: argument --max-rel-l2: expected a finite number >= 0, got '{bound}'")
 
 
@@ -72,7 +64,7 @@ def test_sweep_json_config_says_what_ran(capsys, dump):
     (["sweep", "{dump}", "--eps", "-1", "nan"], "config.eps=nan"),
 ])
 def test_a_value_that_begins_with_a_minus_reaches_its_option(capsys, dump, argv, words):
-    _one_line(capsys, [a.format(dump=dump) for a in argv], words)
+    one_error_line(capsys, [a.format(dump=dump) for a in argv], words)
 
 
 def test_a_binary_text_file_is_named(capsys, dump, tmp_path):
