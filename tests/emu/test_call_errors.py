@@ -88,3 +88,11 @@ def test_trace_as_an_array_of_triples_is_those_triples():
 def test_q_terms_that_is_not_an_integer_is_refused(q_terms):
     with pytest.raises(ValueError, match=r"^config\.q_terms="):
         apa_emu.Config(q_terms=q_terms)
+
+
+@pytest.mark.parametrize("scale", [3e38, 2.4e38])
+def test_a_scale_whose_multiplier_overflows_is_refused(scale):
+    """§5.3's f32(scale ⊗ log2 e) past binary32 would make every score NaN, with NumPy's warnings."""
+    with pytest.raises(ValueError, match=r"^config\.scale=.*product with log2 e stays finite"):
+        apa_emu.Config(scale=scale)
+    assert apa_emu.Config(scale=2.3e38).scale == 2.3e38
