@@ -328,13 +328,13 @@ def _import(spec: str):
 
 
 def _engine_class(spec: str, obj) -> type[Engine]:
-    """An Engine class as it is, a function wrapped; any other class, or the interface itself (an
-    Engine whose run is Engine's, a FunctionEngine with no function), is an EngineError."""
+    """An Engine class as it is, a function wrapped; any other class, or the interface itself (Engine,
+    FunctionEngine, which run nothing and have no name), is an EngineError."""
     if isinstance(obj, type):
         if not issubclass(obj, Engine):
             raise EngineError(f"engine {spec}: class {obj.__qualname__} is not an apa_emu Engine (subclass "
                               f"apa_emu.engines.Engine, or name a function with attention's signature)")
-        if obj.run is Engine.run or issubclass(obj, FunctionEngine) and obj.function is None:
+        if obj in (Engine, FunctionEngine):
             raise EngineError(f"engine {spec}: class {obj.__qualname__} is the Engine interface, which runs "
                               f"nothing (subclass it with a run, or name a function)")
         return obj
