@@ -189,6 +189,9 @@ def window_keys(window) -> int | None:
     window = int(window)  # a Python int: a NumPy unsigned window would wrap around in check_reach
     if window < 1:
         raise ValueError(f"window={window}: must be >= 1 (the keys a row sees, its own position included)")
+    if window > np.iinfo(np.int64).max:  # positions are int64 (§6.1); a larger window would overflow them
+        raise ValueError(f"window={window}: must be at most 2**63 - 1 (a window past every key is full causal: "
+                         f"window=None)")
     return window
 
 

@@ -242,6 +242,15 @@ def resolve_mode(engine, mode: str) -> str:
 _FEATURE_OF = {"window": "window", "block_table": "paging", "cu_seqlens_q": "varlen", "kv_state": "kv_state"}
 
 
+def rel_l2_bound(x) -> float:
+    """``max_rel_l2`` as a float: a finite number >= 0, else a ValueError naming it (a negative or NaN
+    bound would fail every pair, the emulator's own included)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)) \
+            or not 0 <= x < np.inf:
+        raise ValueError(f"max_rel_l2={x!r}: expected a finite number >= 0")
+    return float(x)
+
+
 def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *, warps=None, options=None,
           max_rel_l2: float = MAX_REL_L2, workers: int = 1) -> Outcome:
     """``engine`` (an apa_emu.engines.Engine) against the emulator on ``attention(*args, cfg, **kwargs)``,
@@ -252,7 +261,7 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     An engine that raises, returns something that is not a Result or an output of q's shape and
     dtype, returns NaN where the emulator's output is finite, or claims trace records it does not
     return, is an EngineError naming it; a problem using a feature it does not declare, a ValueError."""
-    mode = resolve_mode(engine, mode)
+    mode, max_rel_l2 = resolve_mode(engine, mode), rel_l2_bound(max_rel_l2)
     for key, feature in _FEATURE_OF.items():
         if kwargs.get(key) is not None and feature not in engine.features:
             raise ValueError(f"engine {engine.name} does not implement {feature} (it declares "

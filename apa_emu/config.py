@@ -35,6 +35,12 @@ def _in_binary32(x) -> bool:
     return math.isfinite(x) and abs(x) <= F32_MAX and (x == 0 or np.float32(x) != 0)
 
 
+def _finite_qmul(scale) -> bool:
+    """Whether §5.3's multiplier f32(scale ⊗ log2 e) is finite: else every score is NaN."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(scale) * np.float32(np.log2(np.e))))
+
+
 def _is_real(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
@@ -91,7 +97,7 @@ class Config:
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # every on/off toggle
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.q_terms not in (1, 2):
+        if not isinstance(self.q_terms, (int, np.integer)) or isinstance(self.q_terms, bool) or self.q_terms not in (1, 2):
             raise ValueError(f"config.q_terms={self.q_terms!r}: expected 1 or 2")
         if not isinstance(self.tau, (int, np.integer)) or isinstance(self.tau, bool) or not 0 <= self.tau <= 8:
             raise ValueError(f"config.tau={self.tau!r}: expected an integer in 0..8")
@@ -102,8 +108,10 @@ class Config:
                                  f"(the kernel holds it in binary32, where it must neither overflow nor vanish)")
         if self.delta < 0:
             raise ValueError(f"config.delta={self.delta!r}: must be >= 0")
-        if self.scale is not None and (not _is_real(self.scale) or not _in_binary32(self.scale) or self.scale <= 0):
-            raise ValueError(f"config.scale={self.scale!r}: expected a positive binary32 number or None")
+        if self.scale is not None and (not _is_real(self.scale) or not _in_binary32(self.scale) or self.scale <= 0
+                                       or not _finite_qmul(self.scale)):
+            raise ValueError(f"config.scale={self.scale!r}: expected a positive binary32 number whose product with "
+                             f"log2 e stays finite (below about 2.36e38), or None")
         if self.mma == "sm120":
             off = [n for n in ("quant_q", "quant_k", "quant_p", "quant_v") if not getattr(self, n)]
             if off or self.q_format != "nvfp4":

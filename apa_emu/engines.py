@@ -33,6 +33,8 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
+from collections.abc import Iterable
 from contextlib import contextmanager, nullcontext
 from importlib.metadata import EntryPoint, entry_points
 
@@ -164,6 +166,14 @@ def engine(name: str | None = None, *, features=(), head_dims=HEAD_DIMS, bitexac
                           f"(known: {', '.join(sorted(FEATURES))})")
 
     def declare(fn):
+        called = name or getattr(fn, "__name__", "?")
+        if isinstance(head_dims, (str, bytes)) or not isinstance(head_dims, Iterable) or not set(head_dims) or \
+                not set(head_dims) <= set(HEAD_DIMS):
+            raise EngineError(f"engine {called}: head_dims={head_dims!r}: expected some of {HEAD_DIMS} (the head "
+                              f"dims numerics.md defines)")
+        if not (isinstance(config, str) or isinstance(config, Iterable) and all(isinstance(c, str) for c in config)):
+            raise EngineError(f"engine {called}: config={config!r}: expected Config overrides, e.g. 'preset=seed' "
+                              f"or ['eps=0']")
         fn.apa_engine = _declaration(name or fn.__name__, features, head_dims, bitexact, config)
         return fn
 
@@ -271,11 +281,38 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
         raise EngineError(f"engine {name} returned an output of dtype {out.dtype}, expected float16 (the output "
                           f"attention returns)")
     out = np.asarray(out.cpu() if hasattr(out, "cpu") else out)
+    if res is not None:
+        _check_fields(name, res, tuple(out.shape[:-1]))
     if res is None:  # every field the engine did not return is None, whatever fields Result gains
         absent = {f.name: None for f in dataclasses.fields(Result)
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         return Result(**{**absent, "out": out, "config": config})
     return dataclasses.replace(res, out=out)
+
+
+def _check_fields(name: str, res: Result, pairs: tuple) -> None:
+    """A returned Result's other fields, each None or of its kind: per-pair binary32 arrays of out's
+    shape less its last axis, a hot-mask array of (b, hk, warp, word), §10's structured records and
+    integer tile counts; else an EngineError naming the field (the studies index them all)."""
+    for field in ("active_tiles", "hot_tiles"):
+        value = getattr(res, field)
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))):
+            raise EngineError(f"engine {name} returned {field}={value!r}, expected an integer (or None)")
+    for field, kind in (("err_bound", "f"), ("err_est", "f"), ("hot", "iu"), ("visits", "V"), ("rows", "V")):
+        value = getattr(res, field)
+        if value is None:
+            continue
+        dtype = getattr(value, "dtype", None)
+        if not hasattr(value, "shape") or getattr(dtype, "kind", None) not in kind:
+            raise EngineError(f"engine {name} returned {field} of type {type(value).__name__}"
+                              f"{f' and dtype {dtype}' if dtype is not None else ''}, expected "
+                              f"{_KINDS[kind]} (or None)")
+        if kind == "f" and tuple(value.shape) != pairs or kind == "iu" and len(value.shape) != 4:
+            raise EngineError(f"engine {name} returned {field} of shape {tuple(value.shape)}, expected "
+                              f"{pairs if kind == 'f' else 'four axes (b, hk, warp, word)'}")
+
+
+_KINDS = {"f": "a float array", "iu": "an integer array", "V": "§10's structured records"}
 
 
 def _import(spec: str):
@@ -291,8 +328,15 @@ def _import(spec: str):
 
 
 def _engine_class(spec: str, obj) -> type[Engine]:
-    """A class as it is (an Engine, as the entry points promise), a function wrapped."""
+    """An Engine class as it is, a function wrapped; any other class, or the interface itself (Engine,
+    FunctionEngine, which run nothing and have no name), is an EngineError."""
     if isinstance(obj, type):
+        if not issubclass(obj, Engine):
+            raise EngineError(f"engine {spec}: class {obj.__qualname__} is not an apa_emu Engine (subclass "
+                              f"apa_emu.engines.Engine, or name a function with attention's signature)")
+        if obj in (Engine, FunctionEngine):
+            raise EngineError(f"engine {spec}: class {obj.__qualname__} is the Engine interface, which runs "
+                              f"nothing (subclass it with a run, or name a function)")
         return obj
     if callable(obj):
         return wrap(obj, name=None if hasattr(obj, "apa_engine") else spec)
@@ -304,7 +348,7 @@ def _named() -> dict[str, EntryPoint]:
     found = {ep.name: ep for ep in entry_points(group=GROUP)}
     for item in filter(None, (s.strip() for s in os.environ.get("APA_ENGINES", "").split(","))):
         name, sep, value = item.partition("=")
-        if not sep or ":" not in value:
+        if not sep or not name.strip() or not re.fullmatch(r"\s*[\w.]+:[\w.]+\s*", value):
             raise ValueError(f"APA_ENGINES: {item!r} is not name=module:Class")
         found[name.strip()] = EntryPoint(name.strip(), value.strip(), GROUP)
     return found
@@ -331,6 +375,7 @@ def load(name: str) -> type[Engine]:
     ep = _named().get(name)
     if ep is None:
         raise KeyError(f"no engine {name!r} (engines: {', '.join(('cpu',) + registered())})")
-    with guarded(f"engine {name}: cannot load {ep.value}:"):
+    source = "$APA_ENGINES" if getattr(ep, "dist", None) is None else f"package {ep.dist.name}"
+    with guarded(f"engine {name} (registered by {source}): cannot load {ep.value}:"):
         obj = ep.load()
     return _engine_class(name, obj)

@@ -158,4 +158,4 @@ def estimate(m1, l1, ws1, m2, l2, p2, o2, y, out, nh, cq, qstat, kvstat, sh, k: 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         f2 = ssq4(out.astype(F32) - y)  # step 4
         est = k.z * np.sqrt((vc + vh) / (dn * dn) + f2)  # step 6
-        return np.where(np.isfinite(out).all(axis=1), est, F32(np.inf)).astype(F32)  # step 7
+        return np.where(np.isfinite(out).all(axis=1) & ~np.isnan(est), est, F32(np.inf)).astype(F32)  # step 7

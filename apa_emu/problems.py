@@ -6,7 +6,7 @@ NumPy only: ``apa_emu.strategies`` draws them with Hypothesis, a test extra.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import numpy as np
 
@@ -77,6 +77,34 @@ def paginate(k, v, page_size, seed):
     return pool_k, pool_v, table if k.ndim == 4 else table[0]
 
 
+# each integer field's least value; window and page_size may also be None
+_LEAST = dict(seed=0, B=1, n=1, Hkv=1, G=1, d=1, S=1, q_offset=0, window=1, page_size=1)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_field(name: str, value) -> None:
+    """One field of a Problem's JSON: its type and range, else a ValueError naming it."""
+    if name == "structure":
+        if value not in STRUCTURES:
+            raise ValueError(f"problem: structure={value!r}: expected one of {', '.join(STRUCTURES)}")
+    elif name == "batched":
+        if not isinstance(value, bool):
+            raise ValueError(f"problem: batched={value!r}: expected true or false")
+    elif name == "seqlens":
+        ok = value is None or isinstance(value, (list, tuple)) and value and all(
+            isinstance(s, (list, tuple)) and len(s) == 2 and all(_integer(x) and x >= 1 for x in s) for s in value)
+        if not ok:
+            raise ValueError(f"problem: seqlens={value!r}: expected null or a non-empty list of [rows, keys] "
+                             f"pairs of positive integers")
+    elif not (value is None and name in ("window", "page_size")) and not (_integer(value) and
+                                                                          value >= _LEAST[name]):
+        raise ValueError(f"problem: {name}={value!r}: expected an integer >= {_LEAST[name]}"
+                         + " or null" * (name in ("window", "page_size")))
+
+
 @dataclass(frozen=True)
 class Problem:
     """One attention problem, reproducible from these numbers alone: ``make_inputs``' arguments, the
@@ -98,8 +126,25 @@ class Problem:
     page_size: int | None = None
     seqlens: tuple[tuple[int, int], ...] | None = None
 
+    def nbytes(self) -> int:
+        """About the memory ``arguments`` takes at its peak: make_inputs' float64 draws and, paged, the
+        page pools' float64 noise (more than the keys when a page outgrows the sequence)."""
+        rows, keys = (self.B * self.n, self.B * self.S) if self.seqlens is None else \
+            (sum(s[0] for s in self.seqlens), sum(s[1] for s in self.seqlens))
+        need = 10 * self.Hkv * self.d * (rows * self.G + 2 * keys)
+        if self.page_size is not None:
+            need += 20 * self.Hkv * self.d * self.page_size * (self.B * -(-self.S // self.page_size) + 2)
+        return need
+
     def arguments(self) -> tuple[tuple, dict]:
-        """``attention``'s positional (q, k, v, q_offset) and keyword arguments."""
+        """``attention``'s positional (q, k, v, q_offset) and keyword arguments; a MemoryError, before
+        any allocation, when they cannot fit in memory."""
+        from .api import available_bytes
+
+        need, have = self.nbytes(), available_bytes()
+        if have is not None and need > have:
+            raise MemoryError(f"problem: {self.describe()} needs about {need / 2**30:.1f} GiB; "
+                              f"{have / 2**30:.1f} GiB of memory is available")
         if self.seqlens is not None:
             rows, keys = (np.array([s[i] for s in self.seqlens]) for i in (0, 1))
             q, k, v = make_inputs(self.seed, 1, int(rows.sum()), self.Hkv, self.G, self.d, int(keys.sum()),
@@ -120,18 +165,27 @@ class Problem:
 
     @classmethod
     def from_json(cls, data) -> "Problem":
-        """From JSON text or its dict; a missing or unknown field is a ValueError naming it."""
-        data = json.loads(data) if isinstance(data, str) else dict(data)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        """From JSON text or its dict; a missing, unknown or ill-typed field, or one out of range, is a
+        ValueError naming it."""
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"problem: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"problem: expected an object of the problem's fields, got {data!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"problem: unknown field {unknown[0]!r} (fields: {', '.join(sorted(known))})")
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
+        if missing:
+            raise ValueError(f"problem: missing field {missing[0]!r}")
+        for name, value in data.items():
+            _check_field(name, value)
         if data.get("seqlens") is not None:
-            data["seqlens"] = tuple(tuple(int(x) for x in s) for s in data["seqlens"])
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"problem: {e}") from None
+            data["seqlens"] = tuple(tuple(s) for s in data["seqlens"])
+        return cls(**data)
 
     def describe(self) -> str:
         extra = "".join(f", {name} {value}" for name, value in (("window", self.window), ("page_size", self.page_size),

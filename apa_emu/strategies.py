@@ -38,8 +38,31 @@ def problems(draw, dims=HEAD_DIMS):
     return dict(seed=seed, B=B, n=n, Hkv=Hkv, G=G, d=d, S=S, structure=structure, batched=batched), q_offset
 
 
+def _some_of(values, allowed, empty: bool) -> bool:
+    """Whether ``values`` is a collection (not a string) of ``allowed`` items, non-empty unless ``empty``."""
+    try:
+        chosen = set(values) if not isinstance(values, (str, bytes)) else None
+    except TypeError:
+        return False
+    return chosen is not None and (empty or bool(chosen)) and chosen <= set(allowed)
+
+
+def engine_problems(features=frozenset(), dims=HEAD_DIMS, seen=None):
+    """``_engine_problems`` of ``features`` (some of apa_emu.engines.FEATURES) and ``dims`` (some of
+    HEAD_DIMS), each checked now: a ValueError naming the argument, not an error at the first draw."""
+    from .engines import FEATURES
+
+    if not _some_of(features, FEATURES, empty=True):
+        raise ValueError(f"problems: features={features!r}: expected a set of {', '.join(sorted(FEATURES))}")
+    if not _some_of(dims, HEAD_DIMS, empty=False):
+        raise ValueError(f"problems: dims={dims!r}: expected some of {HEAD_DIMS}")
+    if seen is not None and not hasattr(seen, "update"):
+        raise ValueError(f"problems: seen={seen!r}: expected a Seen (a Counter) or None")
+    return _engine_problems(frozenset(features), tuple(dims), seen)
+
+
 @st.composite
-def engine_problems(draw, features=frozenset(), dims=HEAD_DIMS, seen=None):
+def _engine_problems(draw, features, dims, seen):
     """A ``Problem`` (apa_emu.problems) an engine implementing ``features`` (apa_emu.engines.FEATURES)
     and head dims ``dims`` can run: ``problems()``, with a window, paged keys or a varlen batch where
     the engine honours them. ``seen``, a Counter (apa_emu.testing.Seen), counts what was drawn: the

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 from collections import Counter
@@ -22,7 +23,7 @@ from collections import Counter
 import pytest
 
 from . import engines
-from .call import resolve_config
+from .call import resolve_call, resolve_config
 from .compare import MAX_REL_L2, check, config_to_json
 from .config import Config
 from .problems import Problem
@@ -46,6 +47,9 @@ class Seen(Counter):
     """Counts events across a property's examples; ``require`` fails for any that never happened."""
 
     def require(self, *events: str) -> None:
+        bad = [e for e in events if not isinstance(e, str)]
+        if bad:
+            raise ValueError(f"Seen.require: {bad[0]!r} is not an event name (a string)")
         missing = [e for e in events if not self[e]]
         assert not missing, f"the property never met: {', '.join(missing)} (seen: {dict(self)})"
 
@@ -81,6 +85,8 @@ def repro_command(engine, problem: Problem, config: Config, mode: str, options=N
                   max_rel_l2: float = MAX_REL_L2) -> str | None:
     """The one command that replays a check of a generated problem (None for arrays: no command
     carries them)."""
+    if not isinstance(problem, Problem):
+        raise ValueError(f"repro_command: problem={problem!r}: expected a Problem (arrays have no command)")
     spec = _spec(engine)
     if spec is None:
         return None
@@ -102,9 +108,11 @@ def assert_matches_emulator(engine, problem, config: Config | None = None, mode:
     within ``max_rel_l2``), the engine run with its ``options`` (the kernel's schedule). Returns the
     Outcome; raises AssertionError with the report and a replay command. ``seen`` counts the
     problem's hot and cold tiles and the outcome."""
+    if seen is not None and not isinstance(seen, Counter):
+        raise ValueError(f"seen={seen!r}: expected a Seen or None")
     chosen = as_engine(engine)
     cfg = claimed_config(chosen) if config is None else resolve_config(config)
-    args, kwargs = problem.arguments() if isinstance(problem, Problem) else problem
+    args, kwargs = problem.arguments() if isinstance(problem, Problem) else _call(problem)
     outcome = check(chosen, args, kwargs, cfg, mode, options=options, max_rel_l2=max_rel_l2)
     if seen is not None:
         emu = outcome.emulator
@@ -117,6 +125,21 @@ def assert_matches_emulator(engine, problem, config: Config | None = None, mode:
                                           options, max_rel_l2)
         raise AssertionError("\n".join([*outcome.lines(), f"  problem: {_described(problem)}", f"  config: {cfg}"]))
     return outcome
+
+
+def _call(problem) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``attention``, each checked: a ValueError naming what is wrong."""
+    if not (isinstance(problem, (tuple, list)) and len(problem) == 2 and isinstance(problem[0], (tuple, list))
+            and isinstance(problem[1], dict)):
+        raise ValueError(f"problem: expected a Problem or (args, kwargs) of attention, a tuple and a dict, got "
+                         f"{type(problem).__name__}" + (f" of {tuple(type(x).__name__ for x in problem)}"
+                                                        if isinstance(problem, (tuple, list)) else ""))
+    args, kwargs = problem
+    known = set(inspect.signature(resolve_call).parameters)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"problem: attention takes no keyword {unknown[0]!r}")
+    return tuple(args), kwargs
 
 
 def _described(problem) -> str:

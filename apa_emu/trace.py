@@ -114,7 +114,7 @@ class TraceRequest:
         """Normalise the ``trace=`` argument: None/False, True/"all", or an iterable of triples."""
         if spec is None or spec is False:
             return None
-        if spec is True or spec == "all":
+        if spec is True or (isinstance(spec, str) and spec == "all"):  # an array spec has no single truth value
             return cls(None)
         if isinstance(spec, TraceRequest):
             return spec
@@ -132,12 +132,14 @@ def _integer(name: str, x) -> int:
 def integer_triples(name: str, spec) -> list[tuple[int, int, int]]:
     """``trace=``/``warps=`` as a list of (b, hk, warp) Python ints; anything else is a ValueError
     naming ``name``: a non-iterable (trace=5), an entry not of three, or a non-integer number."""
+    # trace= also takes True or 'all'; warps= takes None for every warp
+    whole = "True, 'all' or " if name == "trace" else "None (every warp) or "
     if isinstance(spec, (str, bytes)):
-        raise ValueError(f"{name}: expected 'all' or an iterable of (b, hk, warp) triples, got {spec!r}")
+        raise ValueError(f"{name}: expected {whole}an iterable of (b, hk, warp) triples, got {spec!r}")
     try:
         entries = list(spec)
     except TypeError:
-        raise ValueError(f"{name}: expected 'all' or an iterable of (b, hk, warp) triples, got {spec!r}") from None
+        raise ValueError(f"{name}: expected {whole}an iterable of (b, hk, warp) triples, got {spec!r}") from None
     triples = []
     for t in entries:
         try:

@@ -137,7 +137,7 @@ __device__ __forceinline__ float merge_estimate(const MergeWeights& mw, const Es
     const float vc = fmul(fmul(mw.w1, mw.w1), fmul(r.ws1, kappa));  // step 5
     const float vh = fmul(fmul(mw.w2, mw.w2), fadd(fmul(r.p2, kappa2), fmul(fmul((float)r.nh, k.ca), r.q2)));
     const float est = fmul(k.z, fsqrt(fadd(fdiv(fadd(vc, vh), fmul(mw.den, mw.den)), r.f2)));  // step 6
-    return r.finite ? est : pos_inf();  // step 7
+    return r.finite && est == est ? est : pos_inf();  // step 7 (est != est: NaN)
 }
 
 }  // namespace apa

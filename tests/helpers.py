@@ -189,3 +189,22 @@ def load_tool(name: str, *siblings: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def tiny_dump(folder: Path) -> str:
+    """A dump of 16 rows, 4/2 heads, 128 keys, d = 64 (one warp per KV head) in ``folder``."""
+    from apa_emu.study.dump import write_dump
+
+    d = synthetic(16, 128, 4, 2, 64, seed=3)
+    return str(write_dump(folder / "tiny.apadump", d.q, d.k, d.v, d.q_offset))
+
+
+def one_error_line(capsys, argv, words: str) -> str:
+    """``apa ARGV`` exits 2 with one line, ``apa: error: WORDS…``, and no traceback; returns the line."""
+    from apa_emu.study.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith(f"apa: error: {words}"), err
+    assert "Traceback" not in out + err
+    return err

@@ -16,6 +16,7 @@ kernel also ``python -m apa_gpu.replay FILE``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -28,7 +29,7 @@ import numpy as np
 
 from .. import engines
 from .. import trace as tr
-from ..compare import (MAX_REL_L2, Outcome, ToleranceReport, check, config_from_json, config_to_json, describe,
+from ..compare import (MAX_REL_L2, Outcome, ToleranceReport, check, config_to_json, describe, rel_l2_bound,
                        resolve_mode, save_reproducer)
 from ..config import Config
 from ..engines import Engine
@@ -56,8 +57,12 @@ def kernel_class() -> type[Engine] | None:
 
 
 def kernel_schedules() -> tuple[str, ...]:
-    """The kernel's launch schedules, each of which apa check runs."""
-    cls = kernel_class()
+    """The kernel's launch schedules, each of which apa check runs (none known under a bad
+    $APA_ENGINES, which apa check reports as it loads its engine)."""
+    try:
+        cls = kernel_class()
+    except ValueError:
+        return ()
     return tuple(cls.options.get("schedule", ())) if cls else ()
 
 
@@ -169,9 +174,9 @@ def _head_problem(dump, hk: int):
 
 
 def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=None, *, mode="auto",
-               schedules=None, max_rel_l2=MAX_REL_L2, workers=1, progress=None):
+               schedules=None, max_rel_l2=MAX_REL_L2, workers=1, progress=None, heads=None):
     """``engine`` (named ``spec`` on the command line) against the emulator on ``warps`` (indices
-    within each KV head; None: all) of every KV head of ``dump``. Returns the first Divergence (None),
+    within each KV head; None: all) of the KV heads ``heads`` of ``dump`` (None: every one). Returns the first Divergence (None),
     the number of warps that passed, and in tolerance mode the report of every pair compared."""
     mode = resolve_mode(engine, mode)
     G = dump.group
@@ -181,7 +186,8 @@ def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=N
         raise ValueError(f"--warps: {path.name} has warps 0..{nw - 1} per KV head")
     triples = [(0, 0, int(w)) for w in chosen]
     parts, done = [], 0
-    for hk in range(dump.nkv):
+    heads = range(dump.nkv) if heads is None else heads
+    for hk in heads:
         q, k, v = _head_problem(dump, hk)
         for words, options in launches(engine, schedules):
             outcome = check(engine, (q, k, v, dump.q_offset), {}, cfg, mode, warps=triples, options=options,
@@ -203,7 +209,7 @@ def check_dump(engine: Engine, spec: str, dump, path: Path, cfg: Config, warps=N
                                   chosen.size), done, None
         done += chosen.size
         if progress:
-            progress(done, dump.nkv * chosen.size)
+            progress(done, len(heads) * chosen.size)
     if mode == "bitwise":
         return None, done, None
     report = ToleranceReport.of(parts, max_rel_l2)
@@ -305,30 +311,87 @@ def _generated_divergence(engine: Engine, spec: str, mode: str, max_rel_l2: floa
     return Divergence(where, found, command, file)
 
 
-def replay(engine: Engine, spec: str, text: str, progress=None):
-    """Rerun one check from ``--repro`` JSON (what a failure printed): a generated problem or a dump's
-    warps. Returns what check_dump or check returns as (Divergence or None, report or None)."""
-    from .dump import read_dump
+_REPRO_FIELDS = {"problem": "a generated problem's fields", "dump": "a dump file's path",
+                 "kv_head": "the dump's KV head", "warps": "warps of each KV head", "config": "Config fields",
+                 "mode": "the check's mode", "options": "the engine's run options",
+                 "max_rel_l2": "tolerance mode's bound"}
 
+
+def _repro_fields(text: str, engine: Engine) -> dict:
+    """``--repro``'s JSON checked field by field (each wrong one a ValueError naming it), with the
+    config, mode, options and bound resolved."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--repro: not JSON ({e})") from None
-    if not isinstance(data, dict) or not ({"problem", "dump"} & set(data)):
-        raise ValueError("--repro: expected the JSON a failure printed, with a 'problem' or a 'dump'")
-    cfg = config_from_json(json.dumps(data.get("config", {})))
-    mode, options = data.get("mode", "auto"), data.get("options") or {}
-    bound = float(data.get("max_rel_l2", MAX_REL_L2))
+    if not isinstance(data, dict) or len({"problem", "dump"} & set(data)) != 1:
+        raise ValueError("--repro: expected the JSON a failure printed, with a 'problem' or a 'dump' (one of them)")
+    unknown = sorted(set(data) - set(_REPRO_FIELDS) | ({"kv_head", "warps"} & set(data) if "problem" in data else set()))
+    if unknown:
+        raise ValueError(f"--repro: field {unknown[0]!r} does not belong in a {'dump' if 'dump' in data else 'problem'}"
+                         f" replay (fields: {', '.join(f'{k} ({v})' for k, v in _REPRO_FIELDS.items())})")
+    if "dump" in data and not (isinstance(data["dump"], str) and data["dump"]):
+        raise ValueError(f"--repro: dump={data['dump']!r}: expected a dump file's path")
+    kv_head, warps = data.get("kv_head"), data.get("warps")
+    if kv_head is not None and not (type(kv_head) is int and kv_head >= 0):
+        raise ValueError(f"--repro: kv_head={kv_head!r}: expected an integer >= 0")
+    if warps is not None and not (isinstance(warps, list) and warps and all(type(w) is int for w in warps)):
+        raise ValueError(f"--repro: warps={warps!r}: expected a non-empty list of integers")
+    config = data.get("config", {})
+    if not isinstance(config, dict):
+        raise ValueError(f"--repro: config={config!r}: expected an object of Config fields")
+    known = [f.name for f in dataclasses.fields(Config)]
+    bad = sorted(set(config) - set(known))
+    if bad:
+        raise ValueError(f"--repro: config: unknown field {bad[0]!r} (fields: {', '.join(known)})")
+    try:
+        data["config"] = Config(**config)
+        data["max_rel_l2"] = rel_l2_bound(data.get("max_rel_l2", MAX_REL_L2))
+        resolve_mode(engine, data.setdefault("mode", "auto"))
+        if "problem" in data:
+            data["problem"] = Problem.from_json(data["problem"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--repro: {e}") from None
+    data["options"] = _repro_options(data.get("options", {}), engine)
+    return data
+
+
+def _repro_options(options, engine: Engine) -> dict:
+    """The run options of a replay: those the engine takes (the kernel's schedule), with their values."""
+    if not isinstance(options, dict):
+        raise ValueError(f"--repro: options={options!r}: expected an object of the engine's run options")
+    for key, value in options.items():
+        if key not in engine.options:
+            takes = ", ".join(engine.options) or "none"
+            raise ValueError(f"--repro: options: engine {engine.name} takes no option {key!r} (it takes: {takes})")
+        if value not in engine.options[key]:
+            raise ValueError(f"--repro: options: {key}={value!r}: expected one of {', '.join(engine.options[key])}")
+    return options
+
+
+def replay(engine: Engine, spec: str, text: str, progress=None):
+    """Rerun one check from ``--repro`` JSON (what a failure printed): a generated problem or a dump's
+    warps (of one KV head, when it names one). Returns (Divergence or None, report or None)."""
+    from .dump import read_dump
+
+    data = _repro_fields(text, engine)
+    cfg, mode, options, bound = data["config"], data["mode"], data["options"], data["max_rel_l2"]
     if "dump" in data:
         path = Path(data["dump"])
         dump = read_dump(path)
+        heads = None
+        if data.get("kv_head") is not None:
+            if data["kv_head"] >= dump.nkv:
+                raise ValueError(f"--repro: kv_head={data['kv_head']}: {path.name} has KV heads 0..{dump.nkv - 1}")
+            heads = [data["kv_head"]]
         schedules = [options["schedule"]] if "schedule" in options else None
         div, _, report = check_dump(engine, spec, dump, path, cfg, data.get("warps"), mode=mode, schedules=schedules,
-                                    max_rel_l2=bound, progress=progress)
+                                    max_rel_l2=bound, progress=progress, heads=heads)
         return div, report
-    problem = Problem.from_json(data["problem"])
+    problem = data["problem"]
     args, kwargs = problem.arguments()
     outcome = check(engine, args, kwargs, cfg, mode, options=options, max_rel_l2=bound)
     if outcome.passed:
         return None, outcome.report
-    return Divergence(f"the problem replayed ({problem.describe()}, {cfg})", outcome, _command(spec, data)), None
+    repro = dict(json.loads(text), config=json.loads(config_to_json(cfg)))
+    return Divergence(f"the problem replayed ({problem.describe()}, {cfg})", outcome, _command(spec, repro)), None

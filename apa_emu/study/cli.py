@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -37,6 +38,12 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 class _Parser(argparse.ArgumentParser):
     """Bad arguments end in one line, like every other error of the command."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a value that starts with '-' and a digit, '.', inf or nan (--heads -1:2, --eps -inf) is a
+        # value, to be judged by its option, not an unknown option (no option name starts so)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf$|infinity$|nan$)", re.IGNORECASE)
+
     def error(self, message):
         command = self.prog.removeprefix("apa").strip()
         self.exit(EXIT_ERROR, f"apa: error: {command + ': ' if command else ''}{message}\n")
@@ -55,14 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_arguments(p)
         p.set_defaults(func=command.run)
     return ap
-
-
-def _workers(requested: int) -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if requested <= cpus:
-        return requested
-    print(f"apa: note: --workers {requested} is more than the {cpus} CPUs available: using {cpus}", file=sys.stderr)
-    return cpus
 
 
 def _one_line(exc: BaseException) -> str:
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
     previous = CTRL_C.arm()
     try:
         if "workers" in args:
-            args.workers = _workers(args.workers)
+            args.workers = cluster.within_cpus(args.workers, f"--workers {args.workers}")
         status = args.func(args) or 0
         flush()
         if CTRL_C.hit:

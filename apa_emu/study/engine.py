@@ -69,8 +69,12 @@ def unit_bytes(n: int, G: int, S: int, d: int, block_elements: int) -> int:
 def ready(cls: type[Engine], configs, dims) -> tuple[Engine | None, str | None]:
     """An engine of class ``cls`` when it can run every config at every head dim here, else None and
     why not."""
-    with engines.guarded(f"engine {getattr(cls, 'name', '') or cls.__name__} raised"):
-        why = cls.missing() or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
+    name = getattr(cls, 'name', '') or cls.__name__
+    with engines.guarded(f"engine {name} raised"):
+        why = cls.missing() or next((f"engine {name} does not run head dim {d} (it declares head dims "
+                                     f"{', '.join(map(str, cls.head_dims))})" for d in sorted(set(dims))
+                                     if d not in cls.head_dims), None) \
+            or next((r for c in configs for d in sorted(set(dims)) if (r := cls.lacks(c, d))), None)
         return (None, why) if why else (cls(), None)
 
 

@@ -45,7 +45,11 @@ def open_regular(path: str | os.PathLike):
 
 def read_text(path: str | os.PathLike) -> str:
     with open_regular(path) as f:
-        return f.read().decode("utf-8")
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def write_atomically(path: str | os.PathLike, write) -> Path:

@@ -182,7 +182,9 @@ class Scan:
         if not f.any():
             return None
         s, cos, rel = self.sums.take(f), self.cos[f], self.rel[f]
-        return Summary(pairs=int(f.sum()), pooled_cos=float(s.dot.sum() / np.sqrt(s.out_sq.sum() * s.ref_sq.sum())),
+        with np.errstate(invalid="ignore", divide="ignore"):  # all-zero outputs: a NaN cosine, as per pair
+            pooled = float(s.dot.sum() / np.sqrt(s.out_sq.sum() * s.ref_sq.sum()))
+        return Summary(pairs=int(f.sum()), pooled_cos=pooled,
                        mean_cos=float(cos.mean()), min_cos=float(cos.min()), below_0_9=int((cos < 0.9).sum()),
                        below_0_99=int((cos < 0.99).sum()), below_0=int((cos < 0).sum()),
                        rel_l2_mean=float(rel.mean()), rel_l2_p99=float(np.quantile(rel, 0.99)),

@@ -257,7 +257,8 @@ def test_json_carries_the_config_everywhere(capsys, dumps):
                run_json(capsys, "headroom", path, "--rows", "0:4", *common)]
     assert all(o["config"] == cfg for o in outputs)
     sweep = run_json(capsys, "sweep", path, "--rows", "0:4", "--eps", "0.01", "--plot", "", "--config", "mma=exact")
-    assert sweep["config"] == dataclasses.asdict(Config(mma="exact"))
+    # each row's eps is the one that ran: the config's eps is null, listed under swept
+    assert sweep["config"] == {**dataclasses.asdict(Config(mma="exact")), "eps": None} and sweep["swept"] == ["eps"]
 
 
 def test_scan_names_the_non_finite_pairs(capsys, dumps):

@@ -17,8 +17,8 @@ this process. Three modules, one concern each:
   with Ctrl-C held off while its workers spawn, and closed off the main thread.
 """
 
-from .options import Spec, on_devices, parse
+from .options import Spec, on_devices, parse, within_cpus
 from .scheduling import Runner
 from .startup import closed, cluster, local
 
-__all__ = ["Runner", "Spec", "closed", "cluster", "local", "on_devices", "parse"]
+__all__ = ["Runner", "Spec", "closed", "cluster", "local", "on_devices", "parse", "within_cpus"]

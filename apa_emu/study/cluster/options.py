@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 
 INSTALL = "pip install -e '.[cluster]'"
@@ -28,6 +29,16 @@ class Spec:
         return "local" + (f":{self.workers}" if self.workers else "")
 
 
+def within_cpus(requested: int, option: str) -> int:
+    """``requested`` processes, at most the CPUs this process may use (a note on stderr when fewer):
+    more would only contend for them, and a mistyped count would start a process storm."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if requested <= cpus:
+        return requested
+    print(f"apa: note: {option} is more than the {cpus} CPUs available: using {cpus}", file=sys.stderr)
+    return cpus
+
+
 def parse(text: str) -> Spec:
     """``--cluster``'s spellings: local, local:N, tcp://HOST:PORT."""
     if text == "local":
@@ -36,7 +47,7 @@ def parse(text: str) -> Spec:
         n = text.removeprefix("local:")
         if not n.isdigit() or int(n) < 1:
             raise argparse.ArgumentTypeError(f"local:N needs N, the workers, an integer >= 1, got {text!r}")
-        return Spec(workers=int(n))
+        return Spec(workers=within_cpus(int(n), f"--cluster {text}"))
     if text.startswith("tcp://"):
         host, _, port = text.removeprefix("tcp://").rpartition(":")
         if host and port.isdigit() and 0 < int(port) < 65536:

@@ -3,9 +3,11 @@ generated problems, or on one replayed problem; the comparison itself is the lib
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
-from ...compare import MAX_REL_L2, MODES
+from ...compare import MAX_REL_L2, MODES, rel_l2_bound
 from ...engines import CpuEngine
 from ..check import KERNEL, check_dump, check_generated, kernel_schedules, replay, require
 from ..dump import read_dump
@@ -33,8 +35,9 @@ def add_arguments(p) -> None:
                         "apa_emu.attention's signature, or an Engine class)")
     p.add_argument("--mode", choices=MODES, default="auto",
                    help="bitwise, tolerance, or auto: bitwise when the engine claims bit-exactness")
-    p.add_argument("--max-rel-l2", type=float, default=MAX_REL_L2, metavar="X",
-                   help="tolerance mode: the largest relative L2 distance of a pair's output to the emulator's")
+    p.add_argument("--max-rel-l2", type=_bound, default=MAX_REL_L2, metavar="X",
+                   help="tolerance mode: the largest relative L2 distance of a pair's output to the emulator's "
+                        "(a finite number >= 0)")
     p.add_argument("--warps", help="warps of each KV head to compare: A:B (half-open), a,b,c or one index "
                                    "(default: all; the emulator runs each on the CPU)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE",
@@ -51,12 +54,19 @@ def add_arguments(p) -> None:
     p.add_argument("--workers", type=common.count, default=1, metavar="N", help="emulator processes over the warps")
 
 
+def _bound(text: str) -> float:
+    try:
+        return rel_l2_bound(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
+
+
 def _schedules(args) -> tuple[str, ...] | None:
     return None if args.schedule == "all" else (args.schedule,)
 
 
 def run(args) -> int:
-    if args.repro:
+    if args.repro is not None:
         if args.dumps or args.warps or args.config or args.hypothesis:
             raise ValueError("--repro replays the check it names: give it no dump, --warps, --config or --hypothesis")
         engine, _ = require(args.engine, ())

@@ -59,11 +59,21 @@ def _devices(text: str) -> tuple[int, ...]:
 
 
 def _backend(text: str) -> str:
-    names = backends()
+    try:
+        names = backends()
+    except ValueError as e:  # a bad $APA_ENGINES: said where an engine is chosen, not in --help or synth
+        raise argparse.ArgumentTypeError(str(e)) from None
     if text in names or ":" in text:
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(map(repr, names))} or "
                                      f"module:callable)")
+
+
+def _backend_names() -> str:
+    try:
+        return ",".join(backends())
+    except ValueError:  # a bad $APA_ENGINES, reported by --backend's parse
+        return "auto,cpu"
 
 
 def study_options(p, many=True, units=True) -> None:
@@ -78,7 +88,7 @@ def study_options(p, many=True, units=True) -> None:
         p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                    "(keys below)")
-    p.add_argument("--backend", type=_backend, default="auto", metavar="{" + ",".join(backends()) + "}|MODULE:CALLABLE",
+    p.add_argument("--backend", type=_backend, default="auto", metavar="{" + _backend_names() + "}|MODULE:CALLABLE",
                    help="gpu: the CUDA kernel (apa_gpu) with the float64 reference and metrics on the GPU; cpu: "
                         "the emulator; auto: the GPU when it is there and implements the config (mma=sm90, head "
                         "dim 64, 128 or 256), else the CPU, saying why in one line when a GPU is there. Both give "
@@ -87,7 +97,7 @@ def study_options(p, many=True, units=True) -> None:
     if many and units:
         p.add_argument("--cluster", type=cluster.parse, metavar="local[:N] | tcp://HOST:PORT",
                        help="run the (dump, KV head) units on Dask (the cluster extra): local starts one worker "
-                            "per GPU, or N (default: one per CPU) on the CPU; tcp://HOST:PORT uses a running "
+                            "per GPU, or N (default: one per CPU; at most the CPU count, as --workers) on the CPU; tcp://HOST:PORT uses a running "
                             "scheduler whose workers see the dumps at the same paths. Same tables; --json adds "
                             "each worker's units and seconds (default: in this process)")
         p.add_argument("--devices", type=_devices, metavar="I,J",

@@ -99,7 +99,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hot-tests", nargs="+", choices=CHOICES["hot_test"], metavar="TEST",
                    help=f"hot tests ({', '.join(CHOICES['hot_test'])}; docs/numerics.md §7.7) to sweep the ε "
                         "grid under, one line each in the plot and a hot_test column in the table (default: the "
-                        "config's)")
+                        "config's); they override --config hot_test, and the JSON's config then holds null "
+                        "for hot_test as for eps, which each row gives, listed under swept")
     common.selection(p)
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of min cosine against hot share, the "
                    "accuracy-cost frontier, there (default: no plot)")
@@ -130,6 +131,9 @@ def run(args) -> None:
                                                                  for rs in per_dump)))
     else:
         payload = common.payload(args, jobs, cfg, engine, sweep=[r.to_json() for r in per_dump[0]], plot=png)
+    # what ran: each row's eps (and hot test, under --hot-tests) overrides the config's
+    payload["swept"] = ["eps", *["hot_test"] * bool(tests)]
+    payload["config"].update(dict.fromkeys(payload["swept"]))
     emit(args.json, payload, [table(f"{common.named(jobs, 'apa sweep')} ({engine.name})", cols, rows)])
     if png and not args.json:
         say(f"plot: {png}")

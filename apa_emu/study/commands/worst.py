@@ -37,6 +37,9 @@ def worst_jobs(jobs: list[Job], cfg: Config, n: int, engine: Engine, *, by: str 
     traced ones too, runs ``where`` (scan.evaluate)."""
     check_count(n)
     scans = [s for (s,) in evaluate(jobs, [cfg], engine, progress=progress, where=where)]
+    if by != "cos" and not any(np.isfinite(s.predicted(by)).any() for s in scans):
+        raise ValueError(f"--by {by}: engine {engine.name} gives no pair a finite err_{by} / |out| (it returns "
+                         f"no err_{by}, or every |out| is 0): rank by cos")
     owner = np.concatenate([np.full(len(s.pairs), j) for j, s in enumerate(scans)])
     local = np.concatenate([np.arange(len(s.pairs)) for s in scans])
     ranked = {b: np.argsort(np.concatenate([s.rank_key(b) for s in scans]), kind="stable")[:n] for b in {by, "cos"}}
@@ -62,7 +65,9 @@ def add_arguments(p) -> None:
     common.study_options(p)
     p.add_argument("-n", type=common.count, default=20, help="how many pairs to show, worst first")
     p.add_argument("--by", choices=tuple(BY), default="cos",
-                   help="rank by: " + "; ".join(f"{k}, {v}" for k, v in BY.items()) + " (default cos)")
+                   help="rank by: " + "; ".join(f"{k}, {v}" for k, v in BY.items()) + ". With est or bound, "
+                        "pairs with none (an engine that returns none, or |out| = 0) rank last, and a run where no "
+                        "pair has a finite one is refused")
     common.eps(p)
     common.selection(p)
 
