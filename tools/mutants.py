@@ -239,9 +239,11 @@ MUTANTS = [
            "v.t2[h]) > fmul(w.beta[h], fmul(L, L));", "v.t2[h]) >= fmul(w.beta[h], fmul(L, L));", BUDGET_PROBES),
     Mutant("K36", "kernel βr as (ε² ⊗ X) ⊘ κ (mutants-2026-12b K05)", "cuda/pass1.cuh",
            "fmul(ee, fdiv(x, kappa))", "fdiv(fmul(ee, x), kappa)", BUDGET_PROBES),
-    Mutant("M42", "§9.8 step 7: +inf only where no channel is finite (mutants-2026-12b E04)", "apa_emu/merge.py",
-           "np.where(np.isfinite(out).all(axis=1), est, F32(np.inf))",
-           "np.where(np.isfinite(out).any(axis=1), est, F32(np.inf))", ("tests/emu/test_err_est_rules.py",)),
+    # E04 (+inf only where no channel is finite) is equivalent since step 7 maps a NaN estimate to +inf: a
+    # non-finite channel makes F2, and so the estimate, non-finite whatever the test on out says.
+    Mutant("M42", "§9.8 step 7: a computed row's NaN estimate left NaN", "apa_emu/merge.py",
+           "np.where(np.isfinite(out).all(axis=1) & ~np.isnan(est), est, F32(np.inf))",
+           "np.where(np.isfinite(out).all(axis=1), est, F32(np.inf))", ("tests/emu/test_err_est_past_range.py",)),
     Mutant("M43", "§7.6 t2 under sm120 by the exact chain (mutants-2026-12b E09)", "apa_emu/pass1.py",
            "            if model == EXACT:\n                mma_exact(row, row, zero, one)",
            "            if model >= SM120:\n                mma_exact(row, row, zero, one)", ("tests/emu/test_err_est_rules.py",)),
