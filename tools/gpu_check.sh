@@ -33,7 +33,7 @@ else
   export APA_GPU_EXAMPLES="${APA_GPU_EXAMPLES:-40}" APA_GPU_MMA_TILES="${APA_GPU_MMA_TILES:-100000}"
   KSEL="${PYTEST_K:-}"
 fi
-GPU_TESTS="${GPU_TESTS:-tests/kernel/test_gpu_params.py tests/kernel/test_gpu_formats.py tests/kernel/test_gpu_mma.py tests/kernel/test_gpu_fma_sites.py tests/kernel/test_gpu_kernel.py}"
+GPU_TESTS="${GPU_TESTS:-tests/kernel/test_gpu_params.py tests/kernel/test_gpu_formats.py tests/kernel/test_gpu_mma.py tests/kernel/test_gpu_fma_sites.py tests/kernel/test_gpu_budget.py tests/kernel/test_gpu_kernel.py}"
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 
