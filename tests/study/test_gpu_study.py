@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import assert_same_scans
+from helpers import assert_same_scans, dask_distributed
 
 from apa_emu import Config, reference_rows
 from apa_emu.study import engine, fp64, scan
@@ -115,7 +115,7 @@ def test_attribute_matches_the_cpu_engine(which, builtin, big):
     np.testing.assert_allclose(g.breakdown.min_cos, c.breakdown.min_cos, rtol=0, atol=1e-12)
 
 
-def test_cli_end_to_end_and_several_processes(capsys, big, tmp_path):
+def test_cli_end_to_end(capsys, big):
     path = str(big.path)
     common = ["--rows", f"0:{EDGE_ROWS}", "--json"]
     assert main(["scan", path, "--backend", "gpu", *common]) == 0
@@ -125,9 +125,13 @@ def test_cli_end_to_end_and_several_processes(capsys, big, tmp_path):
     assert (gpu["backend"], cpu["backend"]) == ("gpu", "cpu")
     assert gpu["summary"] == pytest.approx(cpu["summary"], rel=0, abs=1e-12)
     assert gpu["histogram"] == cpu["histogram"] and gpu["summary"]["hot_share"] == cpu["summary"]["hot_share"]
+
+
+def test_several_processes_give_the_single_process_report(capsys, big, tmp_path):
+    dask_distributed()
     second = tmp_path / "second.apadump"
     second.write_bytes(big.path.read_bytes())
-    argv = ["scan", path, str(second), "--backend", "gpu", "--json"]
+    argv = ["scan", str(big.path), str(second), "--backend", "gpu", "--json"]
     assert main(argv) == 0
     one = json.loads(capsys.readouterr().out)
     devices = ["0,0"] + (["0,1"] if cupy.cuda.runtime.getDeviceCount() > 1 else [])
