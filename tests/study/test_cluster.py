@@ -420,5 +420,5 @@ def test_devices_name_the_workers_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert options.gpu_names(cluster.Spec(), OnGpus) == ["0", "1"]
     assert options.gpu_names(cluster.Spec(workers=3), CpuEngine()) == []
-    assert (cluster.parse("local"), cluster.parse("local:3"), cluster.parse("tcp://host:8786")) == (
-        cluster.Spec(), cluster.Spec(workers=3), cluster.Spec(address="tcp://host:8786"))
+    assert (cluster.parse("local"), cluster.parse("local:1"), cluster.parse("tcp://host:8786")) == (
+        cluster.Spec(), cluster.Spec(workers=1), cluster.Spec(address="tcp://host:8786"))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from apa_emu.engines import Engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,13 +43,14 @@ def test_module_help_runs():
     assert out.returncode == 0 and "scan" in out.stdout and "smollm2" in out.stdout
 
 
-class _Toy:
+class _Toy(Engine):
     """Stands in for an engine class that $APA_ENGINES names (nothing here runs it)."""
 
 
 def test_apa_engines_names_engines_of_a_checkout_that_is_not_installed(monkeypatch):
     """A copy run from PYTHONPATH (the device's) has no installed entry points: $APA_ENGINES names the
-    engines there, beside those installed; a malformed entry is one line naming it, also from the CLI."""
+    engines there, beside those installed; a malformed entry is one line naming it, also from a study of the
+    CLI, while --help, which chooses no engine, still works."""
     from apa_emu import engines
     from apa_emu.study import cli
 
@@ -56,6 +59,12 @@ def test_apa_engines_names_engines_of_a_checkout_that_is_not_installed(monkeypat
     monkeypatch.setenv("APA_ENGINES", "toy")
     with pytest.raises(ValueError, match=r"^APA_ENGINES: 'toy' is not name=module:Class$"):
         engines.registered()
-    proc = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "scan", "--help"], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "APA_ENGINES": "toy"})
-    assert proc.returncode == cli.EXIT_ERROR and proc.stderr == "apa: error: APA_ENGINES: 'toy' is not name=module:Class\n"
+    env = {**os.environ, "APA_ENGINES": "toy"}
+    # --help chooses no engine and still works; a study, which chooses one, stops at the entry
+    helped = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "scan", "--help"], capture_output=True,
+                            text=True, cwd=ROOT, env=env)
+    assert helped.returncode == 0 and "--backend" in helped.stdout
+    proc = subprocess.run([sys.executable, "-m", "apa_emu.study.cli", "scan", "--rows", "0:1"], capture_output=True,
+                          text=True, cwd=ROOT, env=env)
+    assert proc.returncode == cli.EXIT_ERROR
+    assert proc.stderr == "apa: error: scan: argument --backend: APA_ENGINES: 'toy' is not name=module:Class\n"
