@@ -101,7 +101,7 @@ def verdict(div, report, passed: int, unit: str) -> str:
     a dump's KV head that diverges bitwise fails all its chosen warps."""
     failed = (div.failed if unit == "warps" else 1) if div else 0
     if report is not None and unit != "generated problems":  # a generated check's report is its worst problem's
-        failed = int(np.sum(~(report.rel_l2 <= report.bound)))
+        failed = int(np.sum(~(report.rel_l2 <= report.bound)))  # ok: counts booleans
         passed, unit = report.pairs - failed, "pairs"
     return f"apa check: {'FAIL' if failed else 'PASS'}: {passed} {unit} passed, {failed} failed"
 
