@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import trace as tr
-from . import kvstate, varlen
+from . import arrays, kvstate, varlen
 from .call import Call, logical_kv, resolve_call, resolve_config
 from .kvstate import KVState
 from .config import Config
@@ -22,7 +22,7 @@ from .merge import budget_beta, certificate, estimate, merge_y
 from .pass1 import FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
 from .prep import Prepared, call_stats, prep_bytes, prepare_lowered, slot_map, unpack_rows
-from .result import Result, run_checked
+from .result import Result, like_input, run_checked
 
 F32 = np.float32
 
@@ -233,7 +233,10 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
 
     Parameters
     ----------
-    q : float16 [n, H, d] or [B, n, H, d]
+    q : float16 [n, H, d] or [B, n, H, d], a NumPy array or any host array that speaks DLPack (a CPU
+        torch tensor, a JAX array), read without a copy; a tensor that requires grad is detached
+        (inference only). The emulator runs on the host: an array on a device (a CUDA tensor, a CuPy
+        array) is refused in one line; pass ``x.cpu()``, or call ``apa_gpu.attention``.
     k, v : float16 [S, Hkv, d] or [B, S, Hkv, d]; H must be a multiple of Hkv, d one of 64, 128, 256.
     q_offset : causal position of query row 0 (bottom-right causal: q_offset = S − n).
     config : the numerics toggles (default ``Config()``).
@@ -257,13 +260,16 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
 
     Returns
     -------
-    Result, with ``out`` shaped like q.
+    Result, with ``out`` shaped like q; its arrays of q's kind (a torch tensor in: torch tensors out,
+    sharing the emulator's memory), except §10's records (visits, rows), which stay NumPy.
     """
+    arrays.require_host(q=q, k=k, v=v)
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace,
                         warps=warps)
     cfg = resolve_config(config)
-    return run_checked(call, lambda c: run(c, cfg, workers=workers, progress=progress if c is call else None))
+    res = run_checked(call, lambda c: run(c, cfg, workers=workers, progress=progress if c is call else None))
+    return like_input(res, q)
 
 
 def run(call: Call, cfg: Config, *, workers: int = 1, progress=None) -> Result:

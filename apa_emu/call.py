@@ -1,6 +1,7 @@
 """The call contract: one step that resolves and checks an attention call for every engine.
 
-``resolve_call`` takes ``attention``'s arguments, on NumPy or device arrays, refuses every bad one
+``resolve_call`` takes ``attention``'s arguments, on NumPy, CuPy or any DLPack arrays (apa_emu/arrays.py:
+torch tensors on the host or a CUDA device, imported without a copy), refuses every bad one
 with a ValueError naming it, and returns a typed ``Call``: the batched inputs, their ``Shape``, the
 checked pages (§5.0), the sequences of a varlen batch (§6.6), each already a call of its own, the KV
 state (§5.9) and what to trace (§10). An engine then only runs a Call (``apa_emu.api.run``,
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from . import arrays
 from . import trace as tr
 from . import varlen
 from .config import Config
@@ -46,7 +48,8 @@ class Call:
     [pages, page_size, Hkv, d] when ``pages`` is set; in a varlen call (``seqs``) all three are the
     packed arrays [1, total, heads, d], ``shape`` is the longest sequence's, B the sequences, and
     ``parts`` holds each sequence as a checked call of its own (§6.6: bottom-right causal, its rows
-    and keys sliced from the packed arrays). Arrays stay where the caller had them (NumPy or device)."""
+    and keys sliced from the packed arrays). Arrays stay where the caller had them: NumPy on the host,
+    CuPy on a device (another DLPack array imported as one of them, sharing its memory)."""
 
     q: Any
     k: Any
@@ -123,7 +126,7 @@ def _float16s(q, k, v):
     arrays = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, np.ndarray):
-            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
+            raise ValueError(f"{name}: expected a NumPy or DLPack array, got {type(x).__name__}")
         if x.dtype.kind != "f" or x.dtype.itemsize != 2:
             raise ValueError(f"{name}: expected dtype float16, got {x.dtype}")
         if x.ndim not in (3, 4):
@@ -249,9 +252,8 @@ def _resolve_paged(q, k, v, q_offset, block_table, seqlen_k, xp) -> Call:
     holds a non-finite value, so that the bad key is named by its logical index."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, (np.ndarray, xp.ndarray)):
-            raise ValueError(f"{name}: expected a numpy array, got {type(x).__name__}")
-    host_table = xp.asnumpy(block_table) if xp is not np and isinstance(block_table, xp.ndarray) else block_table
-    pages = check_pages(host_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
+            raise ValueError(f"{name}: expected a NumPy or DLPack array, got {type(x).__name__}")
+    pages = check_pages(block_table, k.shape, v.shape, q.ndim, q.shape[0], seqlen_k)
     logical = []
     for x in (k, v):
         if x.dtype == np.float16 and bool((xp if isinstance(x, xp.ndarray) else np).isfinite(x).all()):
@@ -274,10 +276,16 @@ def _resolve_dense(q, k, v, q_offset, seqlen_k, xp) -> Call:
 
 def resolve_call(q, k, v, q_offset=0, *, window=None, block_table=None, seqlen_k=None, cu_seqlens_q=None,
                  cu_seqlens_k=None, kv_state: KVState | None = None, trace=None, warps=None) -> Call:
-    """``attention``'s arguments (see ``apa_emu.attention``), checked and lowered once. Inputs on a
-    device are checked there, and only what names a bad value comes back to the host."""
+    """``attention``'s arguments (see ``apa_emu.attention``), checked and lowered once. q, k and v are
+    imported as NumPy or CuPy arrays sharing the caller's memory (apa_emu/arrays.py), the block table
+    and cu_seqlens brought to the host. Inputs on a device are checked there, and only what names a bad
+    value comes back to the host."""
     check_state_use(kv_state, window, block_table, cu_seqlens_q, cu_seqlens_k, warps)
-    xp = _array_module((q, k, v, block_table))
+    q, k, v = (arrays.imported(name, x, "dtype float16") for name, x in (("q", q), ("k", k), ("v", v)))
+    block_table, cu_seqlens_q, cu_seqlens_k = (arrays.host(name, x, "an integer array") for name, x in
+                                               (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
+                                                ("cu_seqlens_k", cu_seqlens_k)))
+    xp = _array_module((q, k, v))
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         call = _resolve_varlen(q, k, v, q_offset, window, block_table, seqlen_k, cu_seqlens_q, cu_seqlens_k, xp)
         return _with_warps(call, trace, warps)

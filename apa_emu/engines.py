@@ -40,7 +40,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import numpy as np
 
-from . import api
+from . import api, arrays
 from .call import Call
 from .config import Config
 from .geometry import HEAD_DIMS
@@ -82,7 +82,8 @@ class Engine:
 
     def run(self, call: Call, config: Config, *, progress=None, **options) -> Result:
         """The Result of a resolved call, bitwise the emulator's where the engine is exact, with NumPy
-        arrays. ``progress(done, total)`` is called over ``steps`` steps."""
+        arrays, or any DLPack arrays (torch tensors, on the host or a device), which ``apa check``
+        brings to the host (``as_result``). ``progress(done, total)`` is called over ``steps`` steps."""
         raise NotImplementedError
 
     def steps(self, warps: int) -> int:
@@ -264,12 +265,13 @@ def call_arguments(call: Call) -> tuple[tuple, dict]:
 
 def as_result(name: str, res, call: Call, config: Config) -> Result:
     """An engine's return value as a Result: a Result, or the output array alone (the other fields
-    None: not compared). Anything else, or an output not of q's shape and dtype float16, is an
-    EngineError naming the engine."""
+    None: not compared), its arrays NumPy or any DLPack arrays (a torch tensor, on a device too),
+    brought to the host as NumPy. Anything else, or an output not of q's shape and dtype float16, is
+    an EngineError naming the engine."""
     q_shape = call.q.shape[1:] if call.squeeze or call.seqs is not None else call.q.shape  # a varlen q is packed
     if isinstance(res, Result):
         out = res.out
-    elif isinstance(res, np.ndarray) or hasattr(res, "__array__") and hasattr(res, "shape"):
+    elif arrays.speaks_dlpack(res) or hasattr(res, "__array__") and hasattr(res, "shape"):  # NumPy speaks DLPack
         out, res = res, None
     else:
         raise EngineError(f"engine {name} returned a {type(res).__name__}, expected a Result or the output array")
@@ -277,17 +279,31 @@ def as_result(name: str, res, call: Call, config: Config) -> Result:
         raise EngineError(f"engine {name} returned an out of type {type(out).__name__}, expected an array")
     if tuple(out.shape) != tuple(q_shape):
         raise EngineError(f"engine {name} returned an output of shape {tuple(out.shape)}, expected q's {tuple(q_shape)}")
-    if str(out.dtype) not in ("float16", "torch.float16"):
+    host = _on_host(out)
+    if getattr(host, "dtype", None) != np.float16:
         raise EngineError(f"engine {name} returned an output of dtype {out.dtype}, expected float16 (the output "
                           f"attention returns)")
-    out = np.asarray(out.cpu() if hasattr(out, "cpu") else out)
+    out = np.asarray(host)
     if res is not None:
+        res = dataclasses.replace(res, **{field: _on_host(getattr(res, field)) for field in _ARRAY_FIELDS})
         _check_fields(name, res, tuple(out.shape[:-1]))
     if res is None:  # every field the engine did not return is None, whatever fields Result gains
         absent = {f.name: None for f in dataclasses.fields(Result)
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         return Result(**{**absent, "out": out, "config": config})
     return dataclasses.replace(res, out=out)
+
+
+def _on_host(value):
+    """An engine's array on the host, a NumPy array where DLPack imports it (a torch tensor, on a
+    device too); else as it was, for the checks to name what it is."""
+    try:
+        return arrays.host("", value, "")
+    except ValueError:
+        return value
+
+
+_ARRAY_FIELDS = ("err_bound", "err_est", "hot", "visits", "rows")
 
 
 def _check_fields(name: str, res: Result, pairs: tuple) -> None:
@@ -298,7 +314,7 @@ def _check_fields(name: str, res: Result, pairs: tuple) -> None:
         value = getattr(res, field)
         if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))):
             raise EngineError(f"engine {name} returned {field}={value!r}, expected an integer (or None)")
-    for field, kind in (("err_bound", "f"), ("err_est", "f"), ("hot", "iu"), ("visits", "V"), ("rows", "V")):
+    for field, kind in zip(_ARRAY_FIELDS, ("f", "f", "iu", "V", "V")):
         value = getattr(res, field)
         if value is None:
             continue

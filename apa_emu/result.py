@@ -9,15 +9,16 @@ went non-finite. So an engine runs twice on such a call; its ``run`` itself hold
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from . import arrays
 from . import trace as tr
 from .call import Call, owner
 from .config import Config
 
-__all__ = ["Result", "Overflow", "NonFiniteOutput", "run_checked"]
+__all__ = ["Result", "Overflow", "NonFiniteOutput", "run_checked", "like_input"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Result:
     dumps its constants were fitted to and 99.67–100 % on held-out SmolLM2 dumps, with a median
     estimate/error of 4.7–6.9 and 4.4–7.8: docs/accuracy.md §3); rows not computed hold NaN in all
     three. ``overflow``: the computed pairs whose output is not finite, each with the stage that made it
-    so (``attention`` fills it and warns)."""
+    so (``attention`` fills it and warns). An engine's Result holds NumPy arrays; ``attention`` gives
+    them back as q's kind of array (``like_input``: torch tensors for a torch q)."""
 
     out: np.ndarray
     err_bound: np.ndarray
@@ -93,3 +95,12 @@ def run_checked(call: Call, run) -> Result:
     warnings.warn(f"{len(bad)} (row, head) pair(s) of the output are not finite; the first, {first.index}: "
                   f"{first.stage} (Result.overflow lists each)", NonFiniteOutput, stacklevel=3)
     return res
+
+
+def like_input(res: Result, q) -> Result:
+    """``res`` with its arrays as q's kind of array, on q's device (apa_emu/arrays.py ``like``): what
+    ``attention`` returns to a caller of torch tensors; ``res`` itself for NumPy input."""
+    back = arrays.like(q)
+    if back is None:
+        return res
+    return replace(res, **{f.name: back(getattr(res, f.name)) for f in fields(Result)})

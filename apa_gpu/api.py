@@ -1,5 +1,6 @@
 """The public entry points: ``attention`` (bitwise equal to ``apa_emu.attention``) and
-``prep_arrays`` (the prep outputs, for localising a mismatch), on NumPy or device arrays."""
+``prep_arrays`` (the prep outputs, for localising a mismatch), on NumPy, CuPy or any DLPack arrays
+(torch tensors on the host or the device)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 from apa_emu import kvstate
 from apa_emu.call import KV_STATS, TILE, Call, Config, Shape, cdiv, resolve_call, resolve_config, slot_keys
 from apa_emu.kvstate import KVState
-from apa_emu.result import Result, run_checked
+from apa_emu.result import Result, like_input, run_checked
 
 from . import device
 from .plan import KVImages, Plan, check_config
@@ -34,8 +35,10 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
               segment_tiles: int | None = None) -> Result:
     """The APA attention on the GPU, bitwise equal to ``apa_emu.attention`` (numerics.md).
 
-    q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16, NumPy or device
-    arrays. ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
+    q [n, H, d] or [B, n, H, d], k, v [S, Hkv, d] or [B, S, Hkv, d], float16: NumPy arrays, CuPy
+    arrays or any array that speaks DLPack (torch tensors, JAX arrays), on the host or the CUDA device,
+    read without a copy where their layout allows (a strided one is copied contiguous; a tensor that
+    requires grad is detached: inference only). ``window``: a sliding window of W keys, as the emulator. ``block_table``, ``seqlen_k``:
     paged KV (k and v page pools [pages, page_size, Hkv, d]), as the emulator (§5.0). ``cu_seqlens_q``,
     ``cu_seqlens_k``: a varlen batch, as the emulator (§6.6), in one launch. ``kv_state``: a chunk of
     a chunked prefill, as the emulator (§5.9). ``trace``: None, "all" or
@@ -43,12 +46,14 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
     "separate" (default, or $APA_GPU_SCHEDULE), "fused" (one persistent launch for both passes) or
     "bounded" (pass 1's key images for ``segment_tiles`` tiles at a time, default
     apa_gpu.plan.SEGMENT_TILES: device memory beyond the inputs that does not grow with the context,
-    numerics.md §6.7). Returns an apa_emu Result with NumPy arrays.
+    numerics.md §6.7). Returns an apa_emu Result whose arrays are of q's kind, on q's device (a CUDA
+    torch tensor in: CUDA torch tensors out, copied back from the host; NumPy for NumPy), except §10's
+    records (visits, rows), which stay NumPy.
     """
     call = resolve_call(q, k, v, q_offset, window=window, block_table=block_table, seqlen_k=seqlen_k,
                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, kv_state=kv_state, trace=trace)
     cfg = resolve_config(config)
-    return run_checked(call, lambda c: run(c, cfg, schedule=schedule, segment_tiles=segment_tiles))
+    return like_input(run_checked(call, lambda c: run(c, cfg, schedule=schedule, segment_tiles=segment_tiles)), q)
 
 
 def run(call: Call, cfg: Config, *, schedule: str | None = None, segment_tiles: int | None = None) -> Result:
