@@ -319,7 +319,7 @@ def _check_fields(name: str, res: Result, pairs: tuple) -> None:
         if value is None:
             continue
         dtype = getattr(value, "dtype", None)
-        if not hasattr(value, "shape") or getattr(dtype, "kind", None) not in kind:
+        if not hasattr(value, "shape") or getattr(dtype, "kind", None) not in tuple(kind):  # a torch dtype has none
             raise EngineError(f"engine {name} returned {field} of type {type(value).__name__}"
                               f"{f' and dtype {dtype}' if dtype is not None else ''}, expected "
                               f"{_KINDS[kind]} (or None)")
