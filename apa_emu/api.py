@@ -237,7 +237,8 @@ def attention(q, k, v, q_offset: int = 0, config: Config | None = None, *, windo
         torch tensor, a JAX array), read without a copy; a tensor that requires grad is detached
         (inference only). The emulator runs on the host: an array on a device (a CUDA tensor, a CuPy
         array) is refused in one line; pass ``x.cpu()``, or call ``apa_gpu.attention``.
-    k, v : float16 [S, Hkv, d] or [B, S, Hkv, d]; H must be a multiple of Hkv, d one of 64, 128, 256.
+    k, v : float16 [S, Hkv, d] or [B, S, Hkv, d], of the kinds q may be; H must be a multiple of Hkv, d one
+        of 64, 128, 256.
     q_offset : causal position of query row 0 (bottom-right causal: q_offset = S − n).
     config : the numerics toggles (default ``Config()``).
     window : a sliding window of W keys: query position p sees keys max(0, p − W + 1) .. p (§6.1);
