@@ -25,6 +25,7 @@ BLOCK_M = 128  # Q rows per quantization block and per attention program (BLKQ, 
 BLOCK_N = 64  # K rows per quantization block and per attention step (BLKK, BLOCK_N)
 HEAD_DIMS = (64, 128)
 LOG2E = 1.44269504  # the wrapper's literal, multiplied in binary64 before the launcher's cast (§14.3)
+RCP_127 = np.uint32(0x3C010204).view(np.float32)  # f32(1/127): ptxas folds div.full(·, 127) into ⊗ this (§14.3)
 MASK = np.float32(-1.0e6)  # the causal mask's additive value (§14.6)
 OUT_OF_RANGE_K_SCALE = np.float32(0.0)  # stands for the scale read past the K scales (§14.10)
 _F32 = np.float32
@@ -94,7 +95,7 @@ def to_int8(v: np.ndarray) -> np.ndarray:
 
 def quantize(x: np.ndarray, scale_arg: np.float32, block: int, tables: sfu.Tables):
     """§14.3 ``quant_per_block_int8_kernel`` over every (head, block of ``block`` rows): x ⊗ sm_scale,
-    scale = div.full(max |·|, 127), q = div.full(x, scale) ⊕ ±0.5, to_int8. Rows past n load as 0.
+    scale = max |·| ⊗ f32(1/127), q = div.full(x, scale) ⊕ ±0.5, to_int8. Rows past n load as 0.
     Returns (int8 [n, h, d], scale float32 [h, nb])."""
     n, h, d = x.shape
     nb = -(-n // block)
@@ -102,7 +103,7 @@ def quantize(x: np.ndarray, scale_arg: np.float32, block: int, tables: sfu.Table
     xs[:n] = x.astype(_F32) * scale_arg
     xs = xs.reshape(nb, block, h, d)
     amax = np.fmax.reduce(np.abs(xs), axis=(1, 3))  # max.f32 ignores NaN, as fmax does
-    scale = sfu.div_array(amax, _F32(127.0), tables)
+    scale = amax * RCP_127
     qf = sfu.div_array(xs, scale[:, None, :, None], tables)
     qf = qf + np.where(qf >= 0, _HALF, -_HALF)
     return to_int8(qf).reshape(nb * block, h, d)[:n], np.ascontiguousarray(scale.T)
