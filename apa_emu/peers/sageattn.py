@@ -227,3 +227,17 @@ def run(q, k, v, *, km=None, sm_scale=None, tables: sfu.Tables | None = None) ->
 def attention(q, k, v, *, km=None, sm_scale=None, tables: sfu.Tables | None = None) -> np.ndarray:
     """The FP16 output [n, h_q, d] of ``run`` (numerics.md §14)."""
     return run(q, k, v, km=km, sm_scale=sm_scale, tables=tables).out
+
+
+def tile(row: int, head: int, n: int, h_q: int, h_k: int, nan: bool = False) -> str:
+    """The program that computed output (row, head) (§14.4): its query block of 128 rows and the key
+    blocks of 64 it read, the two on the diagonal last (§14.5, §14.6). ``nan``: the engine's value is
+    NaN where the recipe's is not, which §14.10's unmasked scale read explains in the last block."""
+    bm = row // BLOCK_M
+    if nan and bm == (n - 1) // BLOCK_M and 1 <= n % BLOCK_M <= BLOCK_N:
+        return tile(row, head, n, h_q, h_k) + "; NaN here may be the k_scale read past the scales (§14.10)"
+    lo, hi = bm * BLOCK_M, min(n, (bm + 1) * BLOCK_M) - 1
+    off = f"0..{2 * bm - 1} off the diagonal, then " if bm else ""
+    return (f"query block {bm} (rows {lo}..{hi}, row {row - lo} of it) of query head {head} (kv head "
+            f"{head // (h_q // h_k)}); key blocks {off}{2 * bm} and {2 * bm + 1} on the diagonal (keys "
+            f"{lo}..{(bm + 1) * BLOCK_M - 1})")
