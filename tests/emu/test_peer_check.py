@@ -91,6 +91,8 @@ def test_dump_check_passes_and_names_the_dumps_own_row(tmp_path, capsys):
     replay = next(line for line in out.splitlines() if "replay:" in line).split("--repro ")[1].strip("'")
     assert json.loads(replay)["dump"] == str(path)
     assert main(["check", "--engine", SPEC + "OneBitOff", "--repro", replay]) == 1
+    # the fallback: one ULP of one element is well within the default relative L2 bound
+    assert main(["check", "--engine", SPEC + "OneBitOff", "--hypothesis", "2", "--seed", "1", "--mode", "tolerance"]) == 0
 
 
 def test_generated_check_passes_and_a_flip_fails_with_a_replay(capsys):
@@ -102,6 +104,8 @@ def test_generated_check_passes_and_a_flip_fails_with_a_replay(capsys):
     problem = Problem.from_json(json.loads(replay)["problem"])
     assert peer_check.problem_lacks(peer.OneBitOff(), problem) is None and (problem.n, problem.G) == (1, 1)
     assert main(["check", "--engine", SPEC + "OneBitOff", "--repro", replay]) == 1
+    # the fallback: one ULP of one element is well within the default relative L2 bound
+    assert main(["check", "--engine", SPEC + "OneBitOff", "--hypothesis", "2", "--seed", "1", "--mode", "tolerance"]) == 0
 
 
 @pytest.mark.parametrize("change, words", [
