@@ -25,7 +25,7 @@ from . import api
 from . import trace as tr
 from .call import logical_kv, owner, resolve_call
 from .config import Config
-from .engines import EngineError, as_result, guarded
+from .engines import EngineError, as_result, check_untouched, guarded, input_copy
 from .prep import prepare
 
 canon_nan = tr.canonical_nan
@@ -269,11 +269,13 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     want = "all" if warps is None else warps
     call = resolve_call(*args, trace=want, warps=warps, **kwargs)
     traced = "trace" in engine.features
-    theirs = resolve_call(*args, trace=want if traced else None,
-                          warps=warps if "warps" in engine.features else None, **kwargs)
+    given = [input_copy(x) for x in args[:3]]  # the engine's own copies: it must not change them
+    theirs = resolve_call(*given, *args[3:], trace=want if traced else None,
+                          warps=warps if "warps" in engine.features else None, **_copied(kwargs))
     emu = api.run(call, cfg, workers=workers)
     with guarded(f"engine {engine.name} raised"):
         res = engine.run(theirs, cfg, **(options or {}))
+    check_untouched(engine.name, _call_inputs(call), _call_inputs(theirs))
     res = as_result(engine.name, res, theirs, cfg)
     if traced and (res.visits is None or res.rows is None):
         raise EngineError(f"engine {engine.name} claims 'trace' but returned no trace records (visits, rows)")
@@ -287,6 +289,20 @@ def check(engine, args: tuple, kwargs: dict, cfg: Config, mode: str = "auto", *,
     m = measure(call, emu, res.out)
     report = ToleranceReport.of([m], max_rel_l2)
     return Outcome(engine.name, mode, report.passed, report=report, emulator=emu, measures=m)
+
+
+_COPIED = ("block_table", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _copied(kwargs: dict) -> dict:
+    return {key: input_copy(value) if key in _COPIED else value for key, value in kwargs.items()}
+
+
+def _call_inputs(call) -> dict:
+    """The arrays a resolved call hands an engine, by name."""
+    seqs = call.seqs
+    return dict(q=call.q, k=call.k, v=call.v, block_table=None if call.pages is None else call.pages.table,
+                cu_seqlens_q=None if seqs is None else seqs.cq, cu_seqlens_k=None if seqs is None else seqs.ck)
 
 
 def _adopt_elsewhere(call, emu, res) -> None:

@@ -14,7 +14,10 @@ The studies and ``apa check`` reach an implementation of numerics.md only throug
   when it offers them, ``prep_arrays`` (its prep outputs, to localise a mismatch, apa_emu.compare).
 
 and what ``apa check`` compares: ``bitexact`` (the engine claims numerics.md bit for bit: compared
-bitwise, else in tolerance) and ``config`` (the Config overrides it implements, e.g. "preset=seed").
+bitwise, else in tolerance), ``config`` (the Config overrides it implements, e.g. "preset=seed") and
+``recipe`` ("apa": numerics.md; else a peer kernel's recipe of apa_emu.peers, which it is compared
+with, its ``run_peer`` then taking the place of ``run``). ``apa check`` passes an engine copies of its
+inputs and fails one that changes them (``check_untouched``).
 
 The emulator is the engine "cpu". Other packages register theirs as entry points of the group
 ``apa_emu.engines`` (``name = "module:Class"``), so that apa_emu never imports them; such a class is
@@ -59,6 +62,7 @@ class Engine:
     features: frozenset = frozenset()
     head_dims: tuple[int, ...] = HEAD_DIMS
     bitexact = True  # the interface's contract; an approximate implementation says False
+    recipe = "apa"  # what it implements: numerics.md (the emulator), or a peer recipe of apa_emu.peers
     config: tuple[str, ...] = ()  # the Config overrides it implements (Config.from_overrides)
     options: dict[str, tuple] = {}
     xp = np
@@ -105,6 +109,29 @@ class Engine:
     def context(self):
         """The context the engine's calls run in (its device)."""
         return nullcontext()
+
+
+def input_copy(x):
+    """A copy of an engine's input array, where it lives (NumPy, CuPy or torch), for ``check_untouched``."""
+    return None if x is None else x.clone() if hasattr(x, "clone") else x.copy()
+
+
+def _host_bits(x) -> np.ndarray:
+    a = np.asarray(x.get() if hasattr(x, "get") else x.detach().cpu() if hasattr(x, "detach") else x)
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}") if a.dtype.kind in "fc" else a
+
+
+def check_untouched(name: str, originals: dict, given: dict) -> None:
+    """An EngineError of one line when the engine changed an input in place: ``given`` (name ->
+    the copy it was passed) against ``originals``, bit for bit, wherever the arrays live."""
+    for key, original in originals.items():
+        if original is None or given.get(key) is None:
+            continue
+        a, b = _host_bits(original), _host_bits(given[key])
+        if a.shape != b.shape or not np.array_equal(a, b):
+            where = "" if a.shape != b.shape else f" (first at index {tuple(int(i) for i in np.argwhere(a != b)[0])})"
+            raise EngineError(f"engine {name} modified its input {key} in place{where}; an engine must leave "
+                              f"its inputs unchanged")
 
 
 class CpuEngine(Engine):

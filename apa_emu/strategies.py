@@ -139,3 +139,21 @@ def large_logits(draw, dims=(64, 128)):
     cfg = Config(eps=draw(st.sampled_from([0.005, 0.02, 1e-4, 0.0, -1.0, 1e9])),
                  scale=draw(st.sampled_from([None, None, 1.0, 10.0, 100.0, 1000.0])))
     return q, k, v, S - n, cfg
+
+
+def peer_problems(dims=(64, 128), max_rows: int = 320):
+    """``_peer_problems`` of head dims ``dims``, checked now (a ValueError naming it)."""
+    if not _some_of(dims, HEAD_DIMS, empty=False):
+        raise ValueError(f"peer problems: dims={dims!r}: expected some of {HEAD_DIMS}")
+    return _peer_problems(tuple(dims), max_rows)
+
+
+@st.composite
+def _peer_problems(draw, dims, max_rows):
+    """A ``Problem`` a peer kernel (apa_emu.peers) runs: ``problems()``'s structure, GQA and head dim,
+    one batch element, causal with equal lengths (S = n, q_offset 0); no window, pages or varlen. The
+    rows around the 128-row query and 64-row key blocks are drawn more often."""
+    shape, _ = draw(problems(dims))
+    edges = [1, 63, 64, 65, 127, 128, 129, 191, 192, 255, 256, 257, 320]
+    n = draw(st.integers(1, max_rows) | st.sampled_from([e for e in edges if e <= max_rows]))
+    return Problem(**{**shape, "B": 1, "batched": False, "n": n, "S": n}, q_offset=0)

@@ -3,6 +3,7 @@ them from here and never from one another, so each test file can move or change 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -208,3 +209,17 @@ def one_error_line(capsys, argv, words: str) -> str:
     assert err.count("\n") == 1 and err.startswith(f"apa: error: {words}"), err
     assert "Traceback" not in out + err
     return err
+
+
+@functools.lru_cache(maxsize=1)
+def standin_sfu_tables():
+    """SFU tables (apa_emu.sfu.Tables) holding the correctly rounded exp2 and reciprocal at each table
+    point: a stand-in for the measured ones, so that a recipe's structure is tested apart from the
+    hardware's approximations."""
+    from apa_emu import sfu
+
+    f = np.arange(2**23, dtype=np.float64) * 2.0**-23
+    h = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ex2_f16 = np.exp2(h).astype(np.float16).view(np.uint16)
+    return sfu.Tables(np.exp2(f).astype(np.float32), (1.0 / (1.0 + f)).astype(np.float32), ex2_f16)

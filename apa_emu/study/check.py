@@ -1,6 +1,8 @@
 """``apa check``: an engine against the emulator (apa_emu.compare.check), by default the GPU kernel,
 bitwise, for anyone who edits ``cuda/``; any engine with ``--engine`` (a registered name or
-``module:callable``, docs/engines.md), bitwise when it claims bit-exactness, else in tolerance.
+``module:callable``, docs/engines.md), bitwise when it claims bit-exactness, else in tolerance. An
+engine of a peer kernel (its ``recipe``, such as SageAttention's) is held against that recipe instead
+(apa_emu.study.peer_check).
 
 An engine with launch schedules (the kernel's "schedule" option: ``separate``, ``fused``,
 ``bounded``) runs under every chosen one, since each is its own code path. The kernel runs on the
@@ -34,7 +36,9 @@ from ..compare import (MAX_REL_L2, Outcome, ToleranceReport, check, config_to_js
 from ..config import Config
 from ..engines import Engine
 from ..geometry import ROWS
+from ..peers import APA
 from ..problems import Problem
+from . import peer_check
 from .engine import BackendError, ready
 
 KERNEL = "gpu"  # the engine apa check compares with the emulator unless --engine names another
@@ -242,6 +246,31 @@ def _hypothesis_home():
             set_hypothesis_home_dir(None)  # back to $HYPOTHESIS_STORAGE_DIRECTORY or ./.hypothesis
 
 
+def examples(n: int, seed: int, strategy, body):
+    """Run ``body(example, failed)`` on ``n`` examples Hypothesis draws from ``strategy`` with ``seed``
+    (``failed``: whether one has failed already, while Hypothesis shrinks it); ``body`` returns a
+    failure or None, and the first failure is shrunk to a minimal one. Returns the last failure
+    Hypothesis ran (the shrunk one), or None."""
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+    from hypothesis import seed as seeded
+
+    failures = []
+
+    @seeded(seed)
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
+              verbosity=Verbosity.quiet, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def example(drawn):
+        found = body(drawn, bool(failures))
+        if found is not None:
+            failures.append(found)
+            raise _Failed
+
+    with _hypothesis_home(), suppress(_Failed):
+        example()
+    return failures[-1] if failures else None
+
+
 def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto", schedules=None,
                     max_rel_l2=MAX_REL_L2, progress=None):
     """``engine`` against the emulator on ``n`` problems and configs drawn by Hypothesis from ``seed``:
@@ -249,8 +278,7 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
     the one it claims. A failure is shrunk to a minimal failing problem. Returns the Divergence (None),
     the problems checked up to it, and in tolerance mode the worst problem's report."""
     try:
-        from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
-        from hypothesis import seed as seeded
+        from hypothesis import assume
         from hypothesis import strategies as st
 
         from ..strategies import configs, engine_problems
@@ -258,39 +286,33 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
         raise ImportError(f"apa check --hypothesis needs Hypothesis ({e}); pip install -e '.[test]'") from None
     mode = resolve_mode(engine, mode)
     drawn = st.just(claimed(engine, ())) if engine.config else configs()
-    failures, done, worst = [], [0], [None]
+    done, worst = [0], [None]
 
-    @seeded(seed)
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
-              verbosity=Verbosity.quiet, report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-    @given(engine_problems(engine.features, engine.head_dims), drawn)
-    def example(problem, cfg):
+    def body(drawn_pair, failed):
+        problem, cfg = drawn_pair
         assume(engine.lacks(cfg, problem.d) is None)
-        if not failures:
+        if not failed:
             done[0] += 1
         args, kwargs = problem.arguments()
         for words, options in launches(engine, schedules):
             try:
                 outcome = check(engine, args, kwargs, cfg, mode, options=options, max_rel_l2=max_rel_l2)
             except engines.EngineError as e:
-                failures.append((problem, cfg, options, words, e))
-                raise _Failed from None
+                return problem, cfg, options, words, e
             if not outcome.passed:
-                failures.append((problem, cfg, options, words, outcome))
-                raise _Failed
-            if mode == "tolerance" and not failures and (worst[0] is None or outcome.report.worst_rel >
-                                                         worst[0].worst_rel):
+                return problem, cfg, options, words, outcome
+            if mode == "tolerance" and not failed and (worst[0] is None or outcome.report.worst_rel >
+                                                       worst[0].worst_rel):
                 worst[0] = outcome.report
                 worst[0].problem = f"{problem.describe()}, {cfg}{words}"
-        if progress and not failures:
+        if progress and not failed:
             progress(done[0], n)
+        return None
 
-    with _hypothesis_home(), suppress(_Failed):
-        example()
-    if not failures:
+    failure = examples(n, seed, st.tuples(engine_problems(engine.features, engine.head_dims), drawn), body)
+    if failure is None:
         return None, done[0], worst[0]
-    # the last failure Hypothesis ran: the shrunk one
-    return _generated_divergence(engine, spec, mode, max_rel_l2, failures[-1], done[0]), done[0], None
+    return _generated_divergence(engine, spec, mode, max_rel_l2, failure, done[0]), done[0], None
 
 
 def _generated_divergence(engine: Engine, spec: str, mode: str, max_rel_l2: float, failure, number: int):
@@ -375,6 +397,8 @@ def replay(engine: Engine, spec: str, text: str, progress=None):
     from .dump import read_dump
 
     data = _repro_fields(text, engine)
+    if engine.recipe != APA:
+        return peer_check.replay(engine, spec, data), None
     cfg, mode, options, bound = data["config"], data["mode"], data["options"], data["max_rel_l2"]
     if "dump" in data:
         path = Path(data["dump"])

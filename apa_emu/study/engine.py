@@ -95,13 +95,19 @@ def select_engine(backend, configs, dims, *, workers: int = 1, devices=()) -> En
             raise ValueError("--devices chooses GPUs: it needs the GPU backend, not --backend cpu")
         return CpuEngine(workers)
     if backend != "auto":
-        engine, why = ready(engines.load(backend), configs, dims)
+        cls = engines.load(backend)
+        if cls.recipe != "apa":
+            raise BackendError(f"--backend {backend}: engine {cls.name} implements the {cls.recipe} recipe, not "
+                               f"numerics.md; apa check --engine {backend} checks it against that recipe")
+        engine, why = ready(cls, configs, dims)
         if why:
             raise BackendError(f"--backend {backend}: {why}")
         return engine
     whys = []
     for name in engines.registered():
         cls = engines.load(name)
+        if cls.recipe != "apa":  # a peer kernel's engine computes another attention: never a study's backend
+            continue
         # Not on this machine (no CuPy, no device) and no --devices asked for it: the CPU is the plain
         # choice, and a note saying so on every command of a CPU-only machine would be noise.
         if cls.missing() and not devices:

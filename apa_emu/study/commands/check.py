@@ -7,8 +7,11 @@ import argparse
 
 import numpy as np
 
-from ...compare import MAX_REL_L2, MODES, rel_l2_bound
+from ...compare import MAX_REL_L2, MODES, rel_l2_bound, resolve_mode
+from ... import peers
 from ...engines import CpuEngine
+from ...peers import APA
+from .. import peer_check
 from ..check import KERNEL, check_dump, check_generated, kernel_schedules, replay, require
 from ..dump import read_dump
 from ..report import cfg_name, say
@@ -23,13 +26,18 @@ DESCRIPTION = ("run an engine and the emulator on a dump (every warp, or --warps
                "they agree; else print the first divergence or the report, and the one command that replays it, "
                "and exit 1. The last line is the verdict: PASS or FAIL, with how many passed and failed. An engine "
                "that raises or exits (SystemExit included) is an error of one line, exit 2. docs/engines.md says "
-               "how to wrap a kernel as an engine")
+               "how to wrap a kernel as an engine. An engine of a peer kernel, such as sageattention, is compared with its "
+               "own recipe (apa_emu.peers) instead of the emulator, bitwise, on its output: a divergence names the "
+               "first differing (row, head), the kernel's query and key blocks there, and both values")
 EPILOG = common.config_epilog()
 
 
 def add_arguments(p) -> None:
     p.add_argument("dumps", nargs="*", metavar="DUMP",
-                   help="dump files or folders of *.apadump files (default: the built-in SmolLM2 dump)")
+                   help="dump files or folders of *.apadump files (default: the built-in SmolLM2 dump). An engine "
+                        "of a peer kernel (--engine sageattention: causal, equal lengths) gets each dump's query "
+                        "padded in front with q_offset rows of zeros and the keys up to the last query, and only "
+                        "the dump's own rows are compared")
     p.add_argument("--engine", default=KERNEL, metavar="NAME",
                    help="the engine to check: a registered name or module:callable (a function with "
                         "apa_emu.attention's signature, or an Engine class)")
@@ -84,6 +92,9 @@ def _finish(div, report, engine, summary: str, count: tuple[int, str]) -> int:
     if div:
         for line in div.lines():
             say(line)
+    elif engine.recipe != APA:
+        rec = peers.recipe(engine.recipe)
+        say(f"apa check: engine {engine.name} equals the {rec.title} recipe ({rec.module}) on {summary}")
     elif report is not None:
         say(f"apa check: engine {engine.name} is within relative L2 {report.bound:g} of the emulator on {summary}")
         for line in report.lines():
@@ -120,6 +131,12 @@ def _generated(args):
         raise ValueError("--hypothesis checks generated problems and configs: give it no dump, --warps or --config")
     engine, _ = require(args.engine, ())
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+    if engine.recipe != APA:
+        with common.progress(True, "check, generated problems", engine.wait) as prog:
+            div, done = peer_check.check_generated(engine, args.engine, args.hypothesis, seed, mode=args.mode,
+                                                   max_rel_l2=args.max_rel_l2, progress=prog)
+        return (div, f"{done} generated problems ({resolve_mode(engine, args.mode)}, --seed {seed})", None, engine,
+                (done - 1 if div else done, "generated problems"))
     with common.progress(True, "check, generated problems", engine.wait) as prog:
         div, done, report = check_generated(engine, args.engine, args.hypothesis, seed, mode=args.mode,
                                             schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog)
@@ -136,6 +153,8 @@ def _dumps(args):
     dumps = [read_dump(p) for p in paths]
     warps = common.parse_list(args.warps, "--warps")
     engine, cfg = require(args.engine, [d.hd for d in dumps], args.config)
+    if engine.recipe != APA:
+        return _peer_dumps(args, engine, paths, dumps)
     div, done, report = None, 0, None
     with common.progress(True, "check", CpuEngine.wait) as prog:
         for path, dump in zip(paths, dumps):
@@ -149,3 +168,22 @@ def _dumps(args):
     summary = (f"{done} warps of {len(dumps)} dump{'s' * (len(dumps) > 1)} under {claim}{cfg_name(cfg)}"
                f"{_schedule_words(engine, args)}")
     return div, summary, report, engine, (done, "warps")
+
+
+def _peer_dumps(args, engine, paths, dumps):
+    """The first divergence of a peer kernel's engine from its recipe on the dumps (None if none)."""
+    if args.warps or args.config:
+        raise ValueError(f"--engine {args.engine} runs the {engine.recipe} recipe on whole dumps: give it no "
+                         f"--warps or --config")
+    div, pairs, passed = None, 0, 0
+    with common.progress(True, "check", engine.wait) as prog:
+        for i, (path, dump) in enumerate(zip(paths, dumps)):
+            div, count = peer_check.check_dump(engine, args.engine, dump, path, mode=args.mode,
+                                               max_rel_l2=args.max_rel_l2)
+            if div:
+                break
+            pairs, passed = pairs + count, passed + 1
+            prog(i + 1, len(dumps))
+    summary = f"{pairs} (row, head) pairs of {passed} dump{'s' * (passed != 1)}, each padded in front to causal " \
+              f"equal lengths"
+    return div, summary, None, engine, (passed, "dumps")
