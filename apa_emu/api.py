@@ -21,6 +21,7 @@ from .geometry import ROWS, TILE, Shape, WarpRows, visit_order
 from .merge import budget_beta, certificate, estimate, merge_y
 from .pass1 import FP4Operands, P1Mode, P1Operands, P1Out, P1Rows, pass1_warp
 from .pass2 import P2Mode, P2Out, P2Rows, pass2_warp
+from .fpmath import ex2_tables
 from .prep import Prepared, call_stats, prep_bytes, prepare_lowered, slot_map, unpack_rows
 from .result import Result, like_input, run_checked
 
@@ -90,9 +91,11 @@ class HeadRunner:
         self.shape, self.b, self.hk, self.prep, self.flags, self.want = shape, b, hk, prep, flags, want
         self.soft = flags.model.soft
         self.consts = cfg.pass1_consts()
+        ex2, ex2_f16 = ex2_tables(self.soft)
         self.mode = flags.pass1.lower(P1Mode, flags.model, slots=slot_map(flags.pass1.interleaved).astype(np.int64),
-                                      vk=F32(prep.vg[0] * self.consts.Kf), vg=prep.vg[0])
-        self.p2_mode = flags.pass2.lower(P2Mode, flags.model, exact=flags.model.model == EXACT, qmul=prep.qmul)
+                                      vk=F32(prep.vg[0] * self.consts.Kf), vg=prep.vg[0], ex2=ex2, ex2_f16=ex2_f16)
+        self.p2_mode = flags.pass2.lower(P2Mode, flags.model, exact=flags.model.model == EXACT, qmul=prep.qmul,
+                                         ex2=ex2)
         self.cert = cfg.cert_consts(prep.d)
         self.est = cfg.est_consts(prep.d)
 

@@ -28,6 +28,9 @@ import math
 import numpy as np
 from numba import njit
 
+from . import sfu
+from .sfu import mufu_ex2
+
 # numerics.md §2 step 4: C0..C6, given as bits so that the constants are the kernel's exactly.
 EXP2_COEFFS = np.array(
     [0x3F800000, 0x3F317218, 0x3E75FDEE, 0x3D63576B, 0x3C1D9662, 0x3AAFA26E, 0x39212C6C],
@@ -87,25 +90,24 @@ def exp2s(x):
 
 
 @njit(cache=True)
-def exp2f(x):
-    """The ``fast`` exp2 emulation of numerics.md §2: f32 of the binary64 exp2, flushed below 2⁻¹²⁶."""
-    x = np.float32(x)
-    if x != x:
-        return x
-    if x < _LO:
-        return _ZERO
-    r = np.float32(np.exp2(np.float64(x)))
-    if r < _MIN_NORMAL:
-        return _ZERO
-    return r
-
-
-@njit(cache=True)
-def exp2(x, soft):
-    """numerics.md §2: ``soft`` selects ``exp2s`` (bit-exact), otherwise ``exp2f`` (config ``fast``)."""
-    if soft:
+def exp2(x, ex2):
+    """numerics.md §2: ``exp2s`` when ``ex2`` is empty (``soft``), else the fast mode's hardware exp2,
+    MUFU.EX2 (§13.2) with its table ``ex2``."""
+    if ex2.size == 0:
         return exp2s(x)
-    return exp2f(x)
+    return mufu_ex2(x, ex2)
+
+
+_NO_TABLE = np.zeros(0, np.float32)
+
+
+def ex2_tables(soft: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The MUFU.EX2 and MUFU.EX2.F16 tables that ``exp2`` and the fast quantized P' read (§13): empty
+    for ``soft``."""
+    if soft:
+        return _NO_TABLE, _NO_TABLE.view(np.uint16)
+    t = sfu.tables()
+    return t.ex2, t.ex2_f16
 
 
 def exp2s_np(a):
@@ -131,16 +133,11 @@ def exp2s_np(a):
 
 
 def exp2_np(a, soft):
-    """``exp2`` (numerics.md §2) on a NumPy array: ``exp2s_np`` when ``soft``, else the ``fast``
-    emulation, element by element equal to the scalar ``exp2``."""
+    """``exp2`` (numerics.md §2) on a NumPy array: ``exp2s_np`` when ``soft``, else MUFU.EX2 (§13.2),
+    element by element equal to the scalar ``exp2``."""
     if soft:
         return exp2s_np(a)
-    x = np.asarray(a, dtype=np.float32)
-    with np.errstate(over="ignore"):
-        r = np.exp2(x.astype(np.float64)).astype(np.float32)
-    # The binary32 below −126 is −126 − 2⁻¹⁷, whose exp2 rounds to a subnormal, so the flush
-    # also gives exp2f's x < −126 → 0.
-    return np.where(r < _MIN_NORMAL, _ZERO, r)
+    return sfu.unary_array("ex2.approx.ftz.f32", a)
 
 
 @njit(cache=True)
@@ -164,6 +161,36 @@ def f16r(x):
     # ax / quantum < 2¹¹ + 1, far below 2⁵², so the 2⁵² trick rounds it once, ties to even.
     y = (ax / quantum + _RINT64) - _RINT64
     return np.float32(math.copysign(y * quantum, xd))
+
+
+@njit(cache=True)
+def f16_bits(x):
+    """The binary16 bits of x, a float32 that holds a binary16 value (f16r's results)."""
+    xd = np.float64(x)
+    sign = 0x8000 if xd < 0.0 or (xd == 0.0 and math.copysign(1.0, xd) < 0.0) else 0
+    a = abs(xd)
+    if a != a:
+        return sign | 0x7E00
+    if a == np.inf:
+        return sign | 0x7C00
+    if a < _F16_MIN_NORMAL:
+        return sign | int(a * 16777216.0)  # 2²⁴: subnormal quanta
+    m, e = math.frexp(a)  # a = m·2ᵉ, m in [0.5, 1)
+    return sign | ((e + 14) << 10) | int((m * 2.0 - 1.0) * 1024.0)
+
+
+@njit(cache=True)
+def f16_value(h):
+    """The binary16 of bits h as a float32 (NaN payloads are not kept)."""
+    h = int(h)
+    e, m = (h >> 10) & 31, h & 1023
+    if e == 31:
+        v = np.inf if m == 0 else np.nan
+    elif e == 0:
+        v = m * 2.0**-24
+    else:
+        v = math.ldexp(1024.0 + m, e - 25)
+    return np.float32(-v if h & 0x8000 else v)
 
 
 @njit(cache=True)

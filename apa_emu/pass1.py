@@ -18,7 +18,8 @@ from numba import njit
 
 from .constants import EXACT, SM120
 from .formats import E2M1_VALUES, e2m1_code, ue4m3_value
-from .fpmath import LG2, exp2, f16r, fma32
+from .fpmath import LG2, exp2, f16_bits, f16_value, f16r, fma32
+from .sfu import mufu_ex2_f16
 from .geometry import GROUP, GROUPS, ROWS, TILE
 from .mma import mma_exact, mma_sm90_f32, mma_sm120
 
@@ -64,7 +65,8 @@ class P1Rows(NamedTuple):
 
 class P1Mode(NamedTuple):
     model: int  # SM90 | SM120 | EXACT (§3)
-    soft: bool  # exp2s or the fast mode (§2)
+    ex2: np.ndarray  # f32: §13.2's MUFU.EX2 table in the fast mode (§2), empty for exp2s
+    ex2_f16: np.ndarray  # uint16: §13.4's MUFU.EX2.F16 table in the fast mode, empty for exp2s
     pow2: bool  # P scales (§7.4)
     quant_p: bool  # P' quantized (§7.5)
     slots: np.ndarray  # int64 [64]: key of each slot (§7.3)
@@ -165,20 +167,20 @@ def p1_pscale(gm, cq, c, k, mode):
         cu = np.ceil(u)
         kb, bias = 8 * (int(cu) + 7), (k.L - c) - cu
     else:
-        e = exp2(u - fl, mode.soft)
+        e = exp2(u - fl, mode.ex2)
         mi = min(max(int(np.ceil((e - np.float32(1)) * np.float32(8))), 0), 8)
         kb, bias = 8 * (int(fl) + 7) + mi, (k.L - c) - (fl + LG2[mi])
-    return kb, bias, min(ue4m3_value(np.uint8(kb)), np.float32(24) * exp2(u0, mode.soft))
+    return kb, bias, min(ue4m3_value(np.uint8(kb)), np.float32(24) * exp2(u0, mode.ex2))
 
 
 @njit(cache=True)
-def p1_pprime(y, cq, bias, soft, quant_p, fma):
+def p1_pprime(y, cq, bias, mode):
     """§7.5: P' = exp2((s ⊗ c_q) ⊕ bias), or exp2(fma(s, c_q, bias)) (§1.8); the fast quantized mode
-    (§2) takes y by one FMA and the binary16 hardware exp2 (model)."""
-    if quant_p and not soft:
-        yf = np.float32(np.float64(y) * np.float64(cq) + np.float64(bias))
-        return f16r(exp2(f16r(min(yf, np.float32(4))), False))
-    return exp2(fma32(y, cq, bias) if fma else y * cq + bias, soft)
+    (§2) takes y by one FMA and MUFU.EX2.F16 of f16(min(y, 4)) (§13.4)."""
+    if mode.quant_p and mode.ex2.size:
+        h = f16r(min(fma32(y, cq, bias), np.float32(4)))
+        return f16_value(mufu_ex2_f16(f16_bits(h), mode.ex2_f16))
+    return exp2(fma32(y, cq, bias) if mode.fma else y * cq + bias, mode.ex2)
 
 
 @njit(cache=True)
@@ -201,7 +203,7 @@ def p1_phat(s, k0, rows, gm, c, k, mode, phat, pcodes, pscales, amass):
                 slot = g * GROUP + i
                 j = mode.slots[slot]
                 visible = rows.lo[r] <= k0 + j <= rows.lim[r]
-                pp = (p1_pprime(s[r, j], rows.cq[r], bias, mode.soft, mode.quant_p, mode.fma) if visible
+                pp = (p1_pprime(s[r, j], rows.cq[r], bias, mode) if visible
                       else np.float32(0))
                 if mode.quant_p:
                     code = e2m1_code(pp)
@@ -239,7 +241,7 @@ def p1_hot_test(tl2, t2, rows, st, c, eps, mode):
     βr ⊗ (L ⊗ L), L = (la ⊗ a) ⊕ tl."""
     for r in range(ROWS):
         if rows.runs[r]:
-            a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], mode.soft)
+            a = np.float32(1) if c[r] == st.m[r] else exp2(st.m[r] - c[r], mode.ex2)
             if mode.budget:
                 big = st.la[r] * a + tl2[r, 0]
                 if (st.ws[r] * a) * a + t2[r] > rows.beta[r] * (big * big):
@@ -252,11 +254,11 @@ def p1_hot_test(tl2, t2, rows, st, c, eps, mode):
 
 
 @njit(cache=True)
-def p1_update(x, runs, st, soft):
+def p1_update(x, runs, st, ex2):
     """§7.9: move every running row's frame to x, rescaling its sums and its cold output."""
     for r in range(ROWS):
         if runs[r] and x[r] != st.m[r]:
-            alpha = exp2(st.m[r] - x[r], soft)
+            alpha = exp2(st.m[r] - x[r], ex2)
             for ch in range(st.o.shape[1]):
                 st.o[r, ch] = st.o[r, ch] * alpha + np.float32(0)  # an underflowed −0 becomes +0
             st.lc[r] = st.lc[r] * alpha
@@ -294,10 +296,10 @@ def p1_branch(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, ama
         f = np.empty(ROWS, F32)
         for r in range(ROWS):
             f[r] = max(st.m[r], c[r] - k.delta) if rows.runs[r] else st.m[r]
-        p1_update(f, rows.runs, st, mode.soft)
+        p1_update(f, rows.runs, st, mode.ex2)
         for r in range(ROWS):
             if rows.runs[r]:
-                b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.soft)
+                b = np.float32(1) if f[r] == c[r] else exp2(c[r] - f[r], mode.ex2)
                 st.la[r] = fma32(tl2[r, 0], b, st.la[r]) if mode.fma else st.la[r] + tl2[r, 0] * b
                 if mode.output:
                     st.lv[r] = fma32(tl2[r, 1], b, st.lv[r]) if mode.fma else st.lv[r] + tl2[r, 1] * b
@@ -305,7 +307,7 @@ def p1_branch(hot, t, tl2, t2, c, rows, ops, k, mode, phat, pcodes, pscales, ama
     else:
         if not mode.budget:
             p1_self_sums(mode.model, phat, rows.runs, t2)
-        p1_update(c, rows.runs, st, mode.soft)
+        p1_update(c, rows.runs, st, mode.ex2)
         for r in range(ROWS):
             if rows.runs[r]:
                 st.la[r] = st.la[r] + tl2[r, 0]

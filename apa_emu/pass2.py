@@ -30,7 +30,7 @@ class P2Rows(NamedTuple):
 class P2Mode(NamedTuple):
     exact: bool  # `exact` model: binary32 everywhere (§3.3)
     f32_out: bool  # p2_accum = "f32" (§8.5)
-    soft: bool  # exp2s or the fast mode (§2)
+    ex2: np.ndarray  # f32: §13.2's MUFU.EX2 table in the fast mode (§2), empty for exp2s
     qmul: np.float32  # §5.3
     fma: bool  # the seed's FMA sites (§1.8): x = fma(float(S), qmul, −sh)
 
@@ -76,7 +76,7 @@ def p2_frame(x, valid, mode, m, l4, p4, o):
         for j in range(TILE):
             if x[r, j] > mx:
                 mx = x[r, j]
-        a = np.float32(1) if mx == m[r] else exp2(m[r] - mx, mode.soft)
+        a = np.float32(1) if mx == m[r] else exp2(m[r] - mx, mode.ex2)
         m[r] = mx
         for t0 in range(QUADS):
             l4[r, t0] = l4[r, t0] * a
@@ -91,7 +91,7 @@ def p2_frame(x, valid, mode, m, l4, p4, o):
 
 
 @njit(cache=True)
-def p2_probs(x, valid, m, soft, p):
+def p2_probs(x, valid, m, ex2, p):
     """§8.3: pⱼ = exp2(xⱼ ⊖ ms), ms = 0 for a row whose frame is still −inf; 0 in padding rows."""
     for r in range(ROWS):
         if not valid[r]:
@@ -99,7 +99,7 @@ def p2_probs(x, valid, m, soft, p):
             continue
         ms = np.float32(0) if m[r] == NEG_INF else m[r]
         for j in range(TILE):
-            p[r, j] = exp2(x[r, j] - ms, soft)
+            p[r, j] = exp2(x[r, j] - ms, ex2)
 
 
 @njit(cache=True)
@@ -158,7 +158,7 @@ def pass2_warp(mode, rows, q16, k16, v16_t, tiles, out):
         t = tiles[idx]
         p2_scores(mode, q16, k16, t, zero_s, s, rows, x)
         p2_frame(x, rows.valid, mode, m, l4, p4, o)
-        p2_probs(x, rows.valid, m, mode.soft, p)
+        p2_probs(x, rows.valid, m, mode.ex2, p)
         p2_row_sum(p, rows.valid, l4, p4)
         p2_pv(mode, p, v16_t[t], o)
     p2_end(rows.valid, m, l4, p4, o, out)

@@ -113,6 +113,7 @@ def configs(draw):
         p2_shift=draw(st.sampled_from(["sequential", "sequential", "lanes"])),
         pad_vote=draw(st.booleans()),
         direct_store=draw(st.booleans()),
+        exp2=draw(st.sampled_from(["soft", "soft", "fast"])),
     )
 
 

@@ -99,6 +99,7 @@ class Variant:
 
 
 PROBE = "probe"  # cuda/probe.cu: MMA and primitive probes for the tests
+SFU = "sfu"  # cuda/sfu.cu: the special-function instructions (apa_gpu/sfu.py); the GPU only
 
 
 def all_variants() -> list[Variant]:
@@ -163,6 +164,8 @@ SIM_FLAGS = ("-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC"
 def build_sim(variant=Variant()) -> Path:
     """The simulator library of ``variant`` (g++), cached like the cubins."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or "g++"
+    if variant == SFU:
+        raise BuildError("cuda/sfu.cu runs on the GPU only: the CPU simulator has no special-function unit")
     if variant == PROBE:
         src, defines, name = sources_dir() / "sim" / "sim_probe.cpp", (), "sim_probe"
     else:
@@ -180,8 +183,8 @@ def build_sim(variant=Variant()) -> Path:
 
 
 def _source_and_defines(variant) -> tuple[Path, tuple[str, ...], str]:
-    if variant == PROBE:
-        return sources_dir() / "probe.cu", (), "probe"
+    if variant in (PROBE, SFU):
+        return sources_dir() / f"{variant}.cu", (), variant
     return sources_dir() / "apa.cu", variant.defines(), variant.name
 
 
@@ -225,7 +228,7 @@ def compile_to(variant, out: Path, *, verbose: bool = False, extra: tuple[str, .
 
 
 def build(variant=Variant()) -> Path:
-    """The cubin of ``variant`` (a Variant or PROBE), compiled on first use and cached (the
+    """The cubin of ``variant`` (a Variant, PROBE or SFU), compiled on first use and cached (the
     simulator library instead under APA_GPU_BACKEND=sim)."""
     if backend_name() == "sim":
         return build_sim(variant)
@@ -260,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="print the ptxas report of every cached variant")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 4)
     args = ap.parse_args(argv)
-    variants = [PROBE, *all_variants()]
+    variants = [PROBE, SFU, *all_variants()]
     if args.check:
         with tempfile.TemporaryDirectory() as td:
             def one(v):
@@ -274,6 +277,8 @@ def main(argv=None) -> int:
             for line in ptxas_report(log):
                 print("  " + line)
         return 0
+    if backend_name() == "sim":
+        variants.remove(SFU)
     with ThreadPoolExecutor(args.j) as ex:
         paths = list(ex.map(build, variants))
     for v, p in zip(variants, paths):

@@ -9,7 +9,7 @@ from apa_emu.call import ROWS, TILE, Config, Seqs, Shape, cdiv
 from apa_emu.kvstate import Stats
 
 from . import device
-from .build import SUPPORTED_D, Variant
+from .build import SUPPORTED_D, Variant, backend_name
 from .params import KERNELS
 
 # "separate": prep, pass-1 and pass-2 launches; "fused": pass 1 and pass 2 in one persistent launch
@@ -38,6 +38,9 @@ def check_config(cfg: Config, d: int) -> None:
     if d not in SUPPORTED_D:
         raise NotImplementedError(
             f"apa_gpu: head dim {d} is not implemented (supported: {', '.join(map(str, SUPPORTED_D))})")
+    if cfg.exp2 == "fast" and backend_name() == "sim":
+        raise NotImplementedError("apa_gpu: config.exp2='fast' needs the GPU's special-function unit "
+                                  "(numerics.md §13); the CPU simulator has none")
 
 
 class KVImages:

@@ -15,10 +15,12 @@ from apa_emu.fpmath import (
     LG2,
     exp2,
     exp2_np,
-    exp2f,
+    ex2_tables,
     exp2s,
     exp2s_np,
+    f16_bits,
     f16_fma,
+    f16_value,
     f16r,
     fma32,
     up2,
@@ -153,28 +155,13 @@ def test_exp2s_error_unit_interval_all():
     assert (wrong, n) == (7_086_371, 2_130_706_434)  # 0.33 %, the figure in fpmath's docstring
 
 
-def test_exp2f():
-    """§2 fast-mode model: binary32 of exp2, flushed below 2⁻¹²⁶. Oracles: exact powers of two at the
-    integers (``math.ldexp``), the C library's ``pow`` (not NumPy's exp2) rounded once to binary32
-    elsewhere, and the flush and special values by the spec's words."""
-    ints = np.arange(-126, 128).astype(np.float32)
-    assert np.array_equal(_map_f32(exp2f, ints), np.array([math.ldexp(1.0, int(i)) for i in ints], np.float32))
-    rng = np.random.default_rng(2)
-    xs = rng.uniform(-126, 128, 100_000).astype(np.float32)
-    got = _map_f32(exp2f, xs)
-    want = np.array([2.0 ** float(x) for x in xs]).astype(np.float32)
-    assert np.array_equal(got, want)
-    below = np.nextafter(np.float32(-126), np.float32(-np.inf))
-    assert exp2f(below) == 0 and exp2f(np.float32(-126)) == np.float32(2.0**-126)
-    assert exp2f(np.float32(-np.inf)) == 0 and exp2f(np.float32(-149)) == 0
-    assert math.isnan(exp2f(np.float32(np.nan))) and exp2f(np.float32(np.inf)) == np.inf
-    assert exp2f(np.float32(128)) == np.inf
-
-
 def test_exp2_dispatch():
-    x = np.float32(-2.5)
-    assert exp2(x, True) == exp2s(x) and exp2(x, False) == exp2f(x)
-    assert exp2s(x) != exp2f(x)  # the two modes differ at −2.5, so the switch is observable
+    """exp2 is exp2s without a table (``soft``) and the MUFU.EX2 model with one (``fast``, §13.2): a
+    table of 2.0 everywhere makes the fast branch observable without hardware data."""
+    twos = np.full(1 << 23, 2.0, np.float32)
+    for x in np.float32([-2.5, 0.75, 3.0]):
+        assert exp2(x, ex2_tables(True)[0]) == exp2s(x)
+        assert exp2(x, twos) == np.float32(2.0 ** (math.floor(x) + 1))
 
 
 def test_exp2_np_matches_scalar():
@@ -182,9 +169,26 @@ def test_exp2_np_matches_scalar():
     xs = np.concatenate([rng.uniform(-140, 140, 200_000).astype(np.float32),
                          np.float32([np.nan, np.inf, -np.inf, -126, 128, 127.9]),
                          np.nextafter(np.float32([-126, -126]), np.float32([-200, 0]))])
-    for soft, f in ((True, exp2s), (False, exp2f)):
-        assert _same_bits(exp2_np(xs, soft), _map_f32(f, xs))
+    assert _same_bits(exp2_np(xs, True), _map_f32(exp2s, xs))
+    ex2 = ex2_tables(False)[0]
+    fast = exp2_np(xs, False)
+    scalar = np.array([exp2(x, ex2) for x in xs], np.float32)
+    nan = np.isnan(scalar)
+    assert np.array_equal(np.isnan(fast), nan) and _same_bits(fast[~nan], scalar[~nan])
     assert exp2_np(xs.reshape(2, -1), False).shape == (2, xs.size // 2)
+
+
+def test_f16_bits_and_value_on_every_binary16():
+    """f16_bits and f16_value against NumPy's own binary16 encoding, on all 2¹⁶ patterns (NaNs as a
+    class: their payloads are not kept)."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    vals = h.view(np.float16).astype(np.float32)
+    got_v = np.array([f16_value(b) for b in h], np.float32)
+    nan = np.isnan(vals)
+    assert np.array_equal(np.isnan(got_v), nan) and _same_bits(got_v[~nan], vals[~nan])
+    got_b = np.array([f16_bits(v) for v in vals[~nan]])
+    assert np.array_equal(got_b, h[~nan].astype(np.int64))
+    assert nan.sum() == 2046 and f16_bits(np.float32(np.nan)) & 0x7C00 == 0x7C00
 
 
 def _f16_oracle(xs):
