@@ -17,6 +17,7 @@ import pytest
 from hypothesis import strategies as st
 
 from apa_emu import formats, fpmath
+from apa_emu.fpmath import ex2_tables
 from apa_emu.pass1 import ROWS, P1Mode, P1Rows, P1State, p1_hot_test
 from apa_emu.study import scan
 from apa_emu.study.synth import synthetic
@@ -75,7 +76,7 @@ def f32_exact_rne(q: Fraction) -> np.float32:
 
 def emulated_budget_vote(m, la, ws, c, tl, t2, beta) -> np.ndarray:
     """apa_emu.pass1.p1_hot_test under the budget test, one running row at a time (row 0 of a warp)."""
-    mode = P1Mode(0, True, True, True, np.arange(64), np.float32(1), False, False, False, np.float32(1), True)
+    mode = P1Mode(0, *ex2_tables(True), True, True, np.arange(64), np.float32(1), False, False, False, np.float32(1), True)
     z = np.zeros(ROWS, np.float32)
     runs = np.zeros(ROWS, bool)
     runs[0] = True

@@ -443,6 +443,7 @@ def test_fma_lifts_the_row_maximum_groups_scale_one_step():
     exact. Unfused, u = c ⊕ (A ⊖ c) = 4 exactly: mi = 0, UE4M3 code 8·(4 + 7) = 88, scale 16. Fused,
     u = 100 + 100·2⁻²² − 96 − 3·2⁻¹⁷ = 4 + 2⁻²⁰ exactly: exp2(2⁻²⁰) > 1 gives mi = 1, code 89, scale 18."""
     from apa_emu.formats import ue4m3_value
+    from apa_emu.fpmath import ex2_tables
     from apa_emu.pass1 import P1Mode, p1_pscale
 
     gm, cq = np.float32(100), np.float32(1 + 2.0**-22)
@@ -451,7 +452,7 @@ def test_fma_lifts_the_row_maximum_groups_scale_one_step():
     k = Config().pass1_consts()
     assert k.A == 4
     for fma, code, scale in ((False, 88, 16), (True, 89, 18)):
-        mode = P1Mode(0, True, False, True, np.arange(64), np.float32(1), False, fma, False, np.float32(1))
+        mode = P1Mode(0, *ex2_tables(True), False, True, np.arange(64), np.float32(1), False, fma, False, np.float32(1))
         kb = p1_pscale(gm, cq, c, k, mode)[0]
         assert (kb, float(ue4m3_value(np.uint8(kb)))) == (code, scale)
 

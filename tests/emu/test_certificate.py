@@ -16,6 +16,7 @@ from apa_emu.constants import pass1_consts
 from apa_emu.formats import ue4m3_value
 from apa_emu.geometry import ROWS, Shape
 from apa_emu.mma import mma_sm90_f16
+from apa_emu.fpmath import ex2_tables
 from apa_emu.pass1 import P1Mode, p1_pscale
 from apa_emu.merge import score_bounds
 from apa_emu.prep import pack_rows, prepare
@@ -83,7 +84,7 @@ def test_certificate_covers_every_pair(cfg):
 
 
 def _mode(soft=True, pow2=False):
-    return P1Mode(0, soft, pow2, True, np.arange(64), F32(1), False, False, False, F32(1))
+    return P1Mode(0, *ex2_tables(soft), pow2, True, np.arange(64), F32(1), False, False, False, F32(1))
 
 
 def test_group_scale_mass_by_hand():

@@ -14,6 +14,7 @@ from helpers import f32_exact_rne
 
 from apa_emu import Config, attention
 from apa_emu.merge import merge
+from apa_emu.fpmath import ex2_tables
 from apa_emu.pass1 import P1Mode, P1Out, P1State, p1_export
 from apa_emu.prep import call_stats, kmean_exact, prep_stats, row_shift, sampled_stats
 
@@ -223,7 +224,7 @@ def test_direct_store_by_hand():
     exported = {}
     for direct in (True, False):
         out = P1Out.new(d, 1)
-        mode = P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, direct, F32(1))
+        mode = P1Mode(0, *ex2_tables(True), False, True, np.arange(64), F32(1) * Kf, False, False, direct, F32(1))
         p1_export(st, np.ones(16, bool), mode, Kf, out)
         exported[direct] = out
     assert float(exported[True].part[0, 0]) == 1 + 2.0**-11 + 2.0**-23
@@ -243,7 +244,7 @@ def test_direct_store_of_a_zero_cold_sum_is_ieee():
                  np.zeros((16, 2), F32), np.zeros(16, F32), np.zeros(16, F32))
     st.o[:, 1] = -3
     out = P1Out.new(2, 1)
-    p1_export(st, np.ones(16, bool), P1Mode(0, True, False, True, np.arange(64), F32(1) * Kf, False, False, True,
+    p1_export(st, np.ones(16, bool), P1Mode(0, *ex2_tables(True), False, True, np.arange(64), F32(1) * Kf, False, False, True,
                                             F32(1)), Kf, out)
     assert np.isnan(out.part[:, 0]).all() and (out.part[:, 1] == -np.inf).all() and (out.l1 == 0).all()
 
