@@ -107,7 +107,16 @@ def _payload(args, paths, engine, results, pooled, chosen) -> dict:
 
 
 def _rows(measures) -> list[list]:
-    return [[m.stats()[c] for c in _COLS] for m in measures]
+    return [[_cosine(v) if c in ("worst_cos", "mean_cos") else v for c, v in ((c, m.stats()[c]) for c in _COLS)]
+            for m in measures]
+
+
+def _cosine(x: float) -> str:
+    """A cosine with the digits that show how far it is from 1 (1 − 2e-8 is 0.9999999800, not 1)."""
+    if not np.isfinite(x):
+        return "-"
+    digits = min(12, max(6, int(np.ceil(-np.log10(max(1.0 - x, 1e-12)))) + 2))
+    return f"{x:.{digits}f}"
 
 
 def _print(args, names, results, pooled, chosen) -> None:
