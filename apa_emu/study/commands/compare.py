@@ -61,8 +61,8 @@ EPILOG = (common.columns_epilog(ENGINES, "engines (--engines)") + "\n\n" + commo
 
 def add_arguments(p) -> None:
     common.study_options(p, units=False, json=False)
-    p.add_argument("--engines", nargs="+", default=DEFAULT_ENGINES, metavar="E", help="the engines to compare "
-                   "(specs below); --config gives the config each apa: spec's toggles start from")
+    p.add_argument("--engines", nargs="+", metavar="E", help="the engines to compare (specs below); --config gives "
+                   f"the config each apa: spec's toggles start from (default: {' '.join(DEFAULT_ENGINES)})")
     p.add_argument("--repeat", type=common.count, default=1, metavar="N",
                    help="calls of each engine per dump, the fastest one's time reported (give 2 or more on the "
                         "device: the first call compiles the kernels)")
@@ -80,7 +80,7 @@ def run(args) -> None:
     base = common.config(args)
     paths = common.dump_paths(args)
     common.check_outputs(args, paths)
-    chosen = versus.contenders(args.engines, _note, base)  # every spec is checked before any dump is read
+    chosen = versus.contenders(args.engines or DEFAULT_ENGINES, _note, base)  # every spec is checked before any dump is read
     dumps = [read_dump(p) for p in paths]
     names = [p.name for p in paths]
     apa = [c.cfg for c in chosen if isinstance(c, versus.Apa)]
