@@ -76,10 +76,10 @@ def _backend_names() -> str:
         return "auto,cpu"
 
 
-def study_options(p, many=True, units=True) -> None:
+def study_options(p, many=True, units=True, json=True) -> None:
     """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
-    and --json; and where the study's work is ``run_units``'s (``units``) and it takes many dumps,
-    --cluster and --devices."""
+    and, where ``json``, --json; and where the study's work is ``run_units``'s (``units``) and it takes
+    many dumps, --cluster and --devices."""
     if many:
         p.add_argument("dumps", nargs="*", metavar="DUMP",
                        help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
@@ -106,8 +106,9 @@ def study_options(p, many=True, units=True) -> None:
     p.add_argument("--workers", type=count, default=1, metavar="N",
                    help="CPU engine: processes that share the warps (results are bitwise the same for any N; "
                         "at most the CPU count)")
-    p.add_argument("--json", action="store_true", help="print strict JSON for scripts instead of tables "
-                   "(NaN and Inf become null, listed by path under non_finite)")
+    if json:
+        p.add_argument("--json", action="store_true", help="print strict JSON for scripts instead of tables "
+                       "(NaN and Inf become null, listed by path under non_finite)")
 
 
 def eps(p) -> None:
@@ -221,7 +222,7 @@ def dump_paths(args) -> list[Path]:
 # The options that name a file a command writes: how its messages name it (apa synth's dump is a
 # positional argument, named by its path alone) and the suffix its name must end in, if any: a plot is
 # PNG bytes whatever its name (plots.save), so a .pdf or .svg name would hold a PNG.
-OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "out": ("", None)}
+OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "json_out": ("--json ", None), "out": ("", None)}
 
 
 def _same_file(a: Path, b: Path) -> bool:
