@@ -4,9 +4,10 @@ An instruction the hardware approximates is one op of its special-function unit 
 MUFU.EX2.F16 or MUFU.RCP, with IEEE binary32 multiplies and selects around it that ptxas adds (read
 from the SASS of sm_90a, §13.1). Each op is a table of the hardware's own results over the few bits
 it reads, measured on the GPU (apa_gpu/sfu.py, ``tools/sfu_check.py``); the ops around it are plain
-binary32 arithmetic, as everywhere in the emulator. Every function is checked against the hardware on
-every input (the binary32 unary ones on all 2³², the binary16 one on all 2¹⁶) and division on 2³⁰
-random pairs plus its special classes; ``tests/emu/test_sfu.py`` keeps stored hardware samples.
+binary32 arithmetic, as everywhere in the emulator. ``tools/sfu_check.py`` checks every function
+against a GPU on every input (the binary32 unary ones on all 2³², the binary16 one on all 2¹⁶) and
+division on 2³⁰ random pairs plus its special classes; ``tests/emu/test_sfu.py`` checks stored hardware
+samples. numerics.md §13.6 says what has been confirmed on which GPU.
 
 Scalar functions are Numba-compiled for the emulator's loops and take the table they read as an
 argument (a module-level array would be frozen into every compiled caller); ``*_array`` apply one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -71,8 +73,11 @@ def unpack(arrays) -> Tables:
 
 def tables(path: Path | str | None = None) -> Tables:
     """The tables of ``path``, else of ``$APA_SFU_TABLES`` (a file ``tools/sfu_check.py --measure``
-    wrote on another GPU), else the package's, measured on the H100 (DATA)."""
-    return _load(Path(path or os.environ.get("APA_SFU_TABLES") or DATA))
+    wrote on a GPU), else the package's (DATA), else, while the package holds none, ``standin()``."""
+    given = path or os.environ.get("APA_SFU_TABLES")
+    if given is None and not DATA.is_file():
+        return _standin()
+    return _load(Path(given or DATA))
 
 
 @lru_cache(maxsize=None)
@@ -81,6 +86,24 @@ def _load(path: Path) -> Tables:
         raise FileNotFoundError(f"sfu: no special-function tables at {path} (tools/sfu_check.py --measure writes them)")
     with np.load(path) as z:
         return unpack(z)
+
+
+def standin() -> Tables:
+    """Tables of the correctly rounded exp2 and reciprocal at each table point: the model's structure
+    (§13.2–13.4) with IEEE values in place of the hardware's, which differ by a few ulps."""
+    f = np.arange(1 << FRACTION_BITS, dtype=np.float64) * 2.0**-FRACTION_BITS
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ex2_f16 = np.exp2(h).astype(np.float16).view(np.uint16)
+    return Tables(np.exp2(f).astype(np.float32), (1.0 / (1.0 + f)).astype(np.float32), ex2_f16)
+
+
+@lru_cache(maxsize=None)
+def _standin() -> Tables:
+    warnings.warn("apa_emu.sfu: no measured special-function tables in the package: exp2='fast' runs on "
+                  "stand-in tables (correctly rounded values; tools/sfu_check.py --measure writes real ones)",
+                  stacklevel=3)
+    return standin()
 
 
 # ---- §13.2: MUFU.EX2 ------------------------------------------------------------------------

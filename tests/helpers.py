@@ -214,13 +214,8 @@ def one_error_line(capsys, argv, words: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def standin_sfu_tables():
-    """SFU tables (apa_emu.sfu.Tables) holding the correctly rounded exp2 and reciprocal at each table
-    point: a stand-in for the measured ones, so that a recipe's structure is tested apart from the
-    hardware's approximations."""
+    """apa_emu.sfu's stand-in tables (correctly rounded values at each table point), so that a recipe's
+    structure is tested apart from the hardware's approximations."""
     from apa_emu import sfu
 
-    f = np.arange(2**23, dtype=np.float64) * 2.0**-23
-    h = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ex2_f16 = np.exp2(h).astype(np.float16).view(np.uint16)
-    return sfu.Tables(np.exp2(f).astype(np.float32), (1.0 / (1.0 + f)).astype(np.float32), ex2_f16)
+    return sfu.standin()
