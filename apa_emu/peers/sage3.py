@@ -76,17 +76,12 @@ class Sage3(NamedTuple):
 
 
 def check_inputs(q, k, v) -> None:
-    """§15.1: what this recipe covers; anything else is one ValueError line naming what is missing."""
-    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
-        raise ValueError("sageattention3: q must be [n, h_q, d] and k, v one shape [n_k, h_k, d]")
-    if any(np.asarray(a).dtype != np.float16 for a in (q, k, v)):
-        raise ValueError("sageattention3: only float16 q, k, v are emulated (no bfloat16 path)")
-    if q.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2]:
-        raise ValueError(f"sageattention3: head dim {q.shape[2]} not emulated (its quantizer has 64 and 128 only)")
-    if q.shape[0] != k.shape[0] or q.shape[0] == 0:
-        raise ValueError("sageattention3: only causal attention with equal, non-zero q and kv lengths is emulated")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError("sageattention3: the query heads must be a multiple of the kv heads")
+    """§15.1: what this recipe covers (SageAttention 1.0.6's scope, §14.1, and finite inputs); anything
+    else is one ValueError line naming what is missing."""
+    try:
+        sageattn.check_inputs(q, k, v)
+    except ValueError as e:
+        raise ValueError(str(e).replace("sageattn:", "sageattention3:", 1)) from None
     if not all(np.isfinite(a).all() for a in (q, k, v)):
         raise ValueError("sageattention3: q, k, v must be finite")
 

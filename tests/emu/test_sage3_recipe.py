@@ -27,11 +27,10 @@ def tables() -> sfu.Tables:
 
 
 def _inputs(seed: int, n: int, h_q: int, h_k: int, d: int, k_shift: float = 1.0):
+    """FP16 q, k, v of standard normals, k shifted (a per-row constant of the exact scores)."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((n, h_q, d)).astype(np.float16)
-    k = (rng.standard_normal((n, h_k, d)) + k_shift).astype(np.float16)
-    v = rng.standard_normal((n, h_k, d)).astype(np.float16)
-    return q, k, v
+    q, k, v = (rng.standard_normal((n, h, d)) for h in (h_q, h_k, h_k))
+    return q.astype(np.float16), (k + k_shift).astype(np.float16), v.astype(np.float16)
 
 
 def _scores(q, k):
@@ -191,6 +190,11 @@ def test_each_toggle_moves_the_output(tables, toggle):
 ])
 def test_refusals_are_one_line(shape_q, shape_kv, dtype, words):
     q, k = np.zeros(shape_q, dtype), np.zeros(shape_kv, dtype)
+    if words == "equal":  # and an infinity, refused only once the shapes pass
+        bad = np.zeros(shape_q, dtype)
+        bad[3, 0, 5] = np.inf
+        with pytest.raises(ValueError, match="finite"):
+            s3.check_inputs(bad, bad, bad)
     with pytest.raises(ValueError, match=words) as e:
         s3.attention(q, k, k, tables=sfu.Tables(np.zeros(1, F32), np.zeros(1, F32), np.zeros(1, np.uint16)))
     assert "\n" not in str(e.value)
