@@ -295,3 +295,24 @@ def tile(row: int, head: int, n: int, h_q: int, h_k: int, nan: bool = False) -> 
     dropped = f"; key tile {mb - 1} enters the row sum only (published causal path)" if mb else ""
     return (f"query block {mb} (rows {lo}..{hi}, row {row - lo} of it) of query head {head} (kv head "
             f"{head // (h_q // h_k)}); key tiles {mb} (diagonal) down to 0{dropped}")
+
+
+def parse_toggles(text: str) -> dict:
+    """``KEY=VAL,...`` of ``Toggles`` fields (booleans as 0/1/true/false, the inits as numbers) as
+    keyword arguments of ``run``; a ValueError of one line for an unknown key or a bad value."""
+    fields = {f.name: f.type for f in dataclasses.fields(Toggles)}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, val = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"sageattention3: no toggle {key!r} (toggles: {', '.join(fields)})")
+        if fields[key] == "bool":
+            if val.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"sageattention3: {key} takes 0/1/true/false, got {val!r}")
+            out[key] = val.lower() in ("1", "true")
+        else:
+            try:
+                out[key] = float(val)
+            except ValueError:
+                raise ValueError(f"sageattention3: {key} takes a number, got {val!r}") from None
+    return out
