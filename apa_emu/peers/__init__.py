@@ -45,6 +45,10 @@ class Recipe:
 RECIPES = {
     "sageattention": Recipe("sageattention", "apa_emu.peers.sageattn", ("km",), (64, 128),
                             "SageAttention 1.0.6 causal (numerics.md §14)"),
+    # Emulated only: no engine runs SageAttention3 (its kernel needs sm_120), so ``check`` has nothing
+    # to hold against it; ``apa compare`` runs it on the CPU.
+    "sageattention3": Recipe("sageattention3", "apa_emu.peers.sage3", (), (64, 128),
+                             "SageAttention3 NVFP4 causal, emulated (numerics.md §15)"),
 }
 
 

@@ -7,6 +7,9 @@ An engine of the comparison is named by a spec (``SPECS``):
   study's engine (the emulator, or the GPU kernel);
 - ``sageattention``: SageAttention 1.0.6's real kernels, the engine registered under that name (on a
   CUDA device only); ``sageattention-emu``: its bit-exact recipe (apa_emu.peers.sageattn) on the CPU;
+- ``sageattention3-emu``: SageAttention3's NVFP4 recipe as published, emulated on the CPU (apa_emu.peers.sage3;
+  it needs sm_120 to run for real); ``sageattention3-emu:causal_dropped_tile=0`` the corrected causal path,
+  and any other of its toggles the same way;
 - ``sdpa-fp16``: torch's FP16 ``scaled_dot_product_attention`` on a CUDA device (its own choice of
   backend), where torch has none an FP16-input, float32 NumPy attention on the CPU, named so;
   ``sdpa:flash``, ``sdpa:efficient``, ``sdpa:cudnn``, ``sdpa:math``: one backend, on CUDA only;
@@ -28,6 +31,7 @@ import numpy as np
 from .. import engines, peers, sfu
 from ..call import resolve_call
 from ..config import Config
+from ..peers import sage3
 from . import fp64
 from .engine import reference
 from .peer_check import padded
@@ -36,7 +40,7 @@ PURE_FP4 = Config(eps=1e9)  # no tile is hot: the gap recovered is measured from
 PURE_FP4_SPEC = "apa:eps=1e9"
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 SPECS = ("apa:KEY=VAL,...", "sageattention", "sageattention-emu", "sdpa-fp16",
-         *(f"sdpa:{b}" for b in SDPA_BACKENDS), "fp16-exact")
+         *(f"sdpa:{b}" for b in SDPA_BACKENDS), "fp16-exact", "sageattention3-emu[:KEY=VAL,...]")
 SAGE = "sageattention"
 CPU_ROWS = 256  # query rows of one head at a time in the CPU float32 attention
 
@@ -99,10 +103,14 @@ class Padded(Contender):
 
 
 class SageEmu(Padded):
-    def __init__(self):
-        super().__init__("sageattention-emu", "SageAttention 1.0.6's bit-exact recipe (numerics.md §14)",
-                         "cpu recipe")
-        self.recipe = peers.recipe(SAGE)
+    """A peer recipe run on the CPU: SageAttention 1.0.6's (default) or another of ``peers.RECIPES``
+    with its keyword toggles."""
+
+    def __init__(self, spec: str = "sageattention-emu", recipe: str = SAGE, toggles: dict | None = None):
+        self.recipe, self.toggles = peers.recipe(recipe), toggles or {}
+        label = "SageAttention 1.0.6's bit-exact recipe (numerics.md §14)" if recipe == SAGE else \
+            f"{self.recipe.title}" + "".join(f", {k}={v}" for k, v in self.toggles.items())
+        super().__init__(spec, label, "cpu recipe")
         try:
             self.tables = sfu.tables()
         except (OSError, ValueError) as e:
@@ -113,7 +121,7 @@ class SageEmu(Padded):
 
     def call(self, prepared):
         (q, k, v), first = prepared
-        return self.recipe.load().run(q, k, v, tables=self.tables).out[first:]
+        return self.recipe.load().run(q, k, v, tables=self.tables, **self.toggles).out[first:]
 
 
 def _sage_lacks(recipe, dump) -> str | None:
@@ -260,12 +268,24 @@ def parse_spec(text: str, base: Config | None = None):
         except ValueError as e:
             raise ValueError(f"engine {text!r}: {e}") from None
         return lambda: Apa(text, cfg)
+    if name == "sageattention3-emu":
+        return _sage3_emu(text, rest)
     if name == "sdpa" and sep and rest in SDPA_BACKENDS:
         return lambda: Sdpa(rest)
     known = {SAGE: SageReal, "sageattention-emu": SageEmu, "sdpa-fp16": _sdpa_fp16, "fp16-exact": Exact}
     if text not in known:
         raise ValueError(f"engine {text!r}: expected one of {', '.join(SPECS)}")
     return known[text]
+
+
+def _sage3_emu(text: str, rest: str):
+    """SageAttention3's emulated recipe (numerics.md §15) under the spec's toggles, e.g.
+    ``sageattention3-emu:causal_dropped_tile=0`` for the corrected causal path."""
+    try:
+        toggles = sage3.parse_toggles(rest)
+    except ValueError as e:
+        raise ValueError(f"engine {text!r}: {e}") from None
+    return lambda: SageEmu(text, "sageattention3", toggles)
 
 
 def contenders(specs, note, base: Config | None = None) -> list[Contender]:
