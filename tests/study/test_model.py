@@ -130,9 +130,8 @@ def test_a_nonfinite_logit_is_counted_never_averaged():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    pytest.importorskip("gguf")
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("rich")
+    for name in ("gguf", "tokenizers", "rich"):
+        pytest.importorskip(name)
     from apa_emu.study.smollm2 import smollm2_gguf_path
 
     try:

@@ -290,6 +290,11 @@ def _jobs(args):
     return jobs
 
 
+def note(line: str) -> None:
+    """A line on the standard error that the command goes on past (an engine left out, a warning)."""
+    print(f"apa: note: {line}", file=sys.stderr)
+
+
 def config(args) -> Config:
     cfg = Config.from_overrides(args.config or [])
     value = getattr(args, "eps", None)

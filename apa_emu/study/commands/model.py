@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -80,10 +79,6 @@ def add_arguments(p) -> None:
                    "KLD against position, and with --per-layer KLD by layer")
 
 
-def _note(line: str) -> None:
-    print(f"apa: note: {line}", file=sys.stderr)
-
-
 def _plot_paths(args) -> dict[str, Path]:
     """The PNGs --plot-dir will hold, refused up front when the folder is missing or one exists."""
     if not args.plot_dir:
@@ -113,7 +108,7 @@ def _tokens(args, module, model) -> np.ndarray:
             warnings.simplefilter("always")
             module.warn_past_context(args.tokens, model.hp.n_ctx)
         for w in caught:
-            _note(str(w.message))
+            common.note(str(w.message))
     elif args.tokens > model.hp.n_ctx:
         raise ValueError(f"--tokens {args.tokens}: past the model's context of {model.hp.n_ctx} tokens")
     return tokens[:args.tokens]
@@ -126,11 +121,11 @@ def _contenders(args, model, makers) -> list[versus.Contender]:
         try:
             c = make()
         except versus.Unavailable as e:
-            _note(f"{spec} left out: {e}")
+            common.note(f"{spec} left out: {e}")
             continue
         why = endtoend.lacking(model, c)
         if why:
-            _note(f"{spec} left out: it does not run {why}")
+            common.note(f"{spec} left out: it does not run {why}")
         else:
             chosen.append(c)
     if not chosen:
