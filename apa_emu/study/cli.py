@@ -14,7 +14,8 @@ import signal
 import sys
 
 from ..engines import EngineInterrupt
-from .commands import attribute, check, chunked, compare, gemma3, headroom, pair, scan, smollm2, sweep, synth, worst
+from .commands import (attribute, check, chunked, compare, gemma3, headroom, model, pair, scan, smollm2, sweep, synth,
+                       worst)
 from . import cluster
 from .commands.common import CTRL_C
 from .report import OutputError, flush
@@ -23,7 +24,7 @@ EXIT_FAILED = 1  # units failed twice on a cluster: the tables hold every other 
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
 # The commands in the order ``apa --help`` lists them; each is named after its module.
-COMMANDS = (scan, worst, pair, attribute, headroom, sweep, compare, chunked, check, synth, smollm2, gemma3)
+COMMANDS = (scan, worst, pair, attribute, headroom, sweep, compare, model, chunked, check, synth, smollm2, gemma3)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -226,12 +226,13 @@ class Gemma3(TextModel):
                 )
             )
 
-    def forward(self, tokens, capture=(), progress=None):
+    def forward(self, tokens, capture=(), progress=None, attend=None):
         """Causal pass over ``tokens``: the final normed hidden states [T, n_embd] (a torch tensor on
         the model's device) and, for each layer in ``capture``, its attention inputs after QK-norm and
         RoPE as float32 NumPy arrays (Q [T, nh, hd], K and V [T, nkv, hd]). ``progress(done, total)``
         is called after each layer. Past the trained context the pass runs all the same (RoPE
-        extrapolates); ``warn_past_context`` says so."""
+        extrapolates); ``warn_past_context`` says so. ``attend(layer, q, k, v)`` computes each layer's
+        attention output (a tensor like q) in place of the model's own float32 ``attend``."""
         torch, hp = self.torch, self.hp
         tokens = self.checked_tokens(tokens)
         T, dev, eps = tokens.size, self.device, hp.rms_eps
@@ -253,7 +254,7 @@ class Gemma3(TextModel):
                 v = qkv[:, nq + nk :].reshape(T, nkv, hd)
                 if i in capture:
                     captured[i] = tuple(a.contiguous().cpu().numpy() for a in (q, k, v))
-                att = attention(q, k, v, window=None if hp.is_global(i) else hp.window)
+                att = (attend or self.attend)(i, q, k, v)
                 x = x + _rms_norm(att.reshape(T, nq) @ L["wo"].T, L["post_attn_norm"], eps)  # ok: model forward pass, not bit-exact
                 gate, up = (_rms_norm(x, L["ffn_norm"], eps) @ L["wgu"].T).split(hp.n_ff, dim=1)  # ok: model forward pass, not bit-exact
                 mlp = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ L["wdown"].T  # ok: model forward pass, not bit-exact
@@ -261,6 +262,11 @@ class Gemma3(TextModel):
                 if progress:
                     progress(i + 1, hp.n_layer)
             return _rms_norm(x, self.out_norm, eps), captured
+
+    def attend(self, layer: int, q, k, v):
+        """The model's own attention of a layer: float32 causal attention in torch, windowed in the
+        local layers."""
+        return attention(q, k, v, window=None if self.hp.is_global(layer) else self.hp.window)
 
     def logits(self, hidden):
         with self.torch.inference_mode():

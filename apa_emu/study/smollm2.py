@@ -115,11 +115,13 @@ class Llama(TextModel):
             )
 
     def forward(
-        self, tokens, capture=(), progress=None
+        self, tokens, capture=(), progress=None, attend=None
     ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
         """Causal pass over ``tokens``: the final normed hidden states [T, n_embd] and, for each
         layer in ``capture``, its attention inputs after RoPE (Q [T, nh, hd], K and V [T, nkv, hd]).
-        ``progress(done, total)`` is called after each layer (the layers take equal time)."""
+        ``progress(done, total)`` is called after each layer (the layers take equal time).
+        ``attend(layer, q, k, v)`` computes each layer's attention output [T, nh, hd] in place of
+        the model's own float32 ``attend``."""
         hp = self.hp
         tokens = self.checked_tokens(tokens)
         T = tokens.size
@@ -138,7 +140,8 @@ class Llama(TextModel):
             v = np.ascontiguousarray(qkv[:, nq + nk :].reshape(T, hp.n_head_kv, hp.head_dim))
             if i in capture:
                 captured[i] = (q, k, v)
-            x = x + causal_attention(q, k, v).reshape(T, nq) @ L["wo"].T  # ok: model forward pass, not bit-exact
+            att = (attend or self.attend)(i, q, k, v)
+            x = x + att.reshape(T, nq) @ L["wo"].T  # ok: model forward pass, not bit-exact
             h = _rms_norm(x, L["ffn_norm"], hp.rms_eps)
             gu = h @ L["wgu"].T  # ok: model forward pass, not bit-exact
             gate, up = gu[:, : hp.n_ff], gu[:, hp.n_ff :]
@@ -146,6 +149,10 @@ class Llama(TextModel):
             if progress:
                 progress(i + 1, len(self.layers))
         return _rms_norm(x, self.out_norm, hp.rms_eps), captured
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """The model's own attention of a layer: float32 causal attention, every layer alike."""
+        return causal_attention(q, k, v)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return hidden @ self.out.T  # ok: model forward pass, not bit-exact

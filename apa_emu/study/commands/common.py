@@ -76,15 +76,15 @@ def _backend_names() -> str:
         return "auto,cpu"
 
 
-def study_options(p, many=True, units=True, json=True) -> None:
-    """The options of every study: its dumps (one only where ``many`` is false), --config, the engine
-    and, where ``json``, --json; and where the study's work is ``run_units``'s (``units``) and it takes
-    many dumps, --cluster and --devices."""
-    if many:
+def study_options(p, many=True, units=True, json=True, dumps=True) -> None:
+    """The options of every study: its dumps (where ``dumps``; one only where ``many`` is false),
+    --config, the engine and, where ``json``, --json; and where the study's work is ``run_units``'s
+    (``units``) and it takes many dumps, --cluster and --devices."""
+    if dumps and many:
         p.add_argument("dumps", nargs="*", metavar="DUMP",
                        help="dump files (see docs/dumps.md) or folders of *.apadump files; several give one "
                             "row per dump and a pooled row (default: the built-in SmolLM2 dump)")
-    else:
+    elif dumps:
         p.add_argument("dump", nargs="?", help="dump file (see docs/dumps.md; default: the built-in SmolLM2 dump)")
     p.add_argument("--config", nargs="*", metavar="KEY=VALUE", help="Config toggles, e.g. mma=exact quant_p=off "
                    "(keys below)")
@@ -288,6 +288,11 @@ def _jobs(args):
         except ValueError as e:
             raise ValueError(f"{path.name}: {e}" if len(paths) > 1 else str(e)) from None
     return jobs
+
+
+def note(line: str) -> None:
+    """A line on the standard error that the command goes on past (an engine left out, a warning)."""
+    print(f"apa: note: {line}", file=sys.stderr)
 
 
 def config(args) -> Config:
