@@ -69,3 +69,53 @@ def test_missing_tables_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("APA_SFU_TABLES", str(tmp_path / "none.npz"))
     with pytest.raises(FileNotFoundError, match="no special-function tables at .*none.npz"):
         sfu.tables()
+
+
+def _ref_ex2(x: np.ndarray) -> np.ndarray:
+    """§13.2 on the stand-in tables, computed independently in binary64: 2 to the power of x floored to
+    a multiple of 2⁻²³ (the stand-in's entries are exp2 rounded once), flushed below 2⁻¹²⁶."""
+    xd = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        fx = np.floor(xd * 2.0**23)
+        frac = np.exp2((fx - np.floor(fx / 2.0**23) * 2.0**23) / 2.0**23).astype(np.float32).astype(np.float64)
+        r = (frac * np.exp2(np.floor(fx / 2.0**23))).astype(np.float32)
+    r = np.where(r < np.float32(2.0**-126), np.float32(0), r)
+    r = np.where(np.abs(xd) < 2.0**-126, np.float32(1), r)
+    return np.where(xd >= 128, np.float32(np.inf), np.where(xd < -127, np.float32(0), r)).astype(np.float32)
+
+
+def test_ex2_models_read_their_table_as_section_13_2_says():
+    """On the stand-in tables (hardware-free), MUFU.EX2 and ex2.approx.f32's expansion against a
+    binary64 derivation of §13.1–13.2: off-grid inputs (floored, negatives included), the flush below
+    2⁻¹²⁶ and the expansion's subnormal results, subnormal inputs, the range ends."""
+    t = sfu.standin()
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-130, 130, 20000), rng.uniform(-1, 1, 5000) * 2.0**-20,
+                        [-127.5, -126.5, -126, 127.99, 128, 1e-40, -1e-40, 0.0, -0.0]]).astype(np.float32)
+    got = sfu.unary_array("ex2.approx.ftz.f32", x, t)
+    assert np.array_equal(got.view(np.uint32), _ref_ex2(x).view(np.uint32))
+    full = sfu.unary_array("ex2.approx.f32", x, t)
+    low = x < -126
+    want = np.where(low, _ref_ex2(x * np.float32(0.5)) ** 2, _ref_ex2(x)).astype(np.float32)
+    assert np.array_equal(full.view(np.uint32), want.view(np.uint32))
+    assert ((full > 0) & (got == 0)).any() and (np.floor(x * 2.0**23) != x * 2.0**23).sum() > 4000
+
+
+def test_rcp_and_division_models_follow_section_13_3():
+    """On the stand-in tables, MUFU.RCP is the table at the 23 fraction bits times 2⁻ᵉ with the flushes
+    of §13.3, and rcp.approx and div.full scale as §13.1 says: checked against binary64."""
+    t = sfu.standin()
+    rng = np.random.default_rng(4)
+    x = (rng.integers(0, 1 << 32, 20000, dtype=np.uint64).astype(np.uint32)).view(np.float32)
+    x = x[np.isfinite(x)]
+    ax = np.abs(x.astype(np.float64))
+    with np.errstate(divide="ignore", over="ignore"):
+        ref = np.where(ax < 2.0**-126, np.inf, (1.0 / ax).astype(np.float32).astype(np.float64))
+    ref = np.where(ref < 2.0**-126, 0.0, ref) * np.where(np.signbit(x), -1.0, 1.0)
+    got = sfu.unary_array("rcp.approx.ftz.f32", x, t)
+    assert np.array_equal(got, ref.astype(np.float32)) and (got == 0).any() and np.isinf(got).any()
+    b = x[(np.abs(x) > 2.0**126) | ((np.abs(x) < 2.0**-126) & (x != 0))]
+    a = np.full_like(b, np.float32(3.0))
+    s = np.where(np.abs(b) > 2.0**126, np.float32(0.25), np.float32(2.0**24))
+    want = sfu.unary_array("rcp.approx.ftz.f32", b * s, t) * (a * s)
+    assert b.size > 100 and np.array_equal(sfu.div_array(a, b, t), want)
