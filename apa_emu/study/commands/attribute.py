@@ -5,15 +5,18 @@ of the command's config sits by head and query position."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ... import peers
 from ...config import SEED_TOGGLES, Config
+from .. import fp64, versus
 from ..engine import CpuEngine, Engine
 from ..plots import pyplot, save
 from ..report import cfg_name, emit, say, table
-from ..scan import Job, Pairs, Scan, check_count, cos_stats, engine_for, evaluate
+from ..scan import Job, Pairs, check_count, cos_stats, engine_for, evaluate
 from . import common
 
 _ALL_OFF = dict(quant_q=False, quant_k=False, quant_p=False, quant_v=False)
@@ -73,20 +76,20 @@ class Breakdown:
                     buckets=[dict(positions=b, **st) for b, st in self.buckets], min_cos=self.min_cos.tolist())
 
 
-def breakdown(scan: Scan, dump, buckets: int) -> Breakdown:
-    """``scan``'s cosines by head and by ``buckets`` equal ranges of query rows (positions)."""
+def breakdown(pairs: Pairs, cos: np.ndarray, dump, buckets: int) -> Breakdown:
+    """The cosines ``cos`` of ``pairs`` by head and by ``buckets`` equal ranges of query rows (positions)."""
     edges = np.unique(np.linspace(0, dump.n, min(buckets, dump.n) + 1).round().astype(int))
-    bucket = np.searchsorted(edges, scan.pairs.rows, side="right") - 1
-    heads = np.unique(scan.pairs.heads).tolist()
+    bucket = np.searchsorted(edges, pairs.rows, side="right") - 1
+    heads = np.unique(pairs.heads).tolist()
     labels = [f"{dump.q_offset + a}-{dump.q_offset + b - 1}" for a, b in zip(edges[:-1], edges[1:])]
     grid = np.full((len(heads), len(labels)), np.nan)
     for i, h in enumerate(heads):
         for j in range(len(labels)):
-            cos = scan.cos[(scan.pairs.heads == h) & (bucket == j)]
-            if (~np.isnan(cos)).any():
-                grid[i, j] = np.nanmin(cos)
-    return Breakdown([(h, cos_stats(scan.cos[scan.pairs.heads == h])) for h in heads],
-                     [(lab, cos_stats(scan.cos[bucket == j])) for j, lab in enumerate(labels)], grid)
+            cell = cos[(pairs.heads == h) & (bucket == j)]
+            if (~np.isnan(cell)).any():
+                grid[i, j] = np.nanmin(cell)
+    return Breakdown([(h, cos_stats(cos[pairs.heads == h])) for h in heads],
+                     [(lab, cos_stats(cos[bucket == j])) for j, lab in enumerate(labels)], grid)
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def attribute_jobs(jobs: list[Job], cfg: Config, engine: Engine, *, worst: int |
         _emulate(scores, jobs, chosen, emulated, cpu_worst, workers, progress, where)
     order = [name for name in changes if name in own or name in emulated]
     seeded = [name for name in changes if ("seed", name) in own or ("seed", name) in emulated]
-    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b, j.dump, buckets),
+    tables = [AttributeTable(p, {name: sc[name] for name in order}, breakdown(b.pairs, b.cos, j.dump, buckets),
                              {name: sc["seed", name] for name in seeded})
               for j, p, b, sc in zip(jobs, chosen, bases, scores)]
     return Attribution(tables, _pooled(tables, "variants"), _pooled(tables, "seed"),
@@ -208,6 +211,78 @@ def attribute(dump, cfg: Config, n: int | None = None, *, backend="auto", worker
     return attribute_jobs(jobs, cfg, engine_for(jobs, [cfg], backend, workers), worst=n, cpu_worst=cpu_worst,
                           variants=variants, buckets=buckets, workers=workers, progress=progress,
                           seed=seed).tables[0]
+
+
+@dataclass(frozen=True)
+class PeerVariants:
+    """A peer recipe's variants for ``--peer NAME[:KEY=VAL,...]``: the toggles each one runs with (the
+    spec's on top of the recipe's defaults, then the variant's change), keyed by variant name."""
+
+    spec: str
+    recipe: str
+    variants: dict[str, dict]
+
+
+def peer_variants(spec: str) -> PeerVariants:
+    """The variants of a recipe of ``peers.RECIPES`` that has ``Toggles``, mirroring ATTRIBUTE_VARIANTS:
+    the recipe as the spec gives it, each quantized operand alone ("Q only": every other ``quant_*``
+    toggle off), none quantized, and each on/off toggle flipped alone ("all, quant_q=0"). The spec's
+    ``KEY=VAL`` are parsed by the recipe, as ``apa compare``'s ``sageattention3-emu:KEY=VAL`` are. A
+    bad name, a bad toggle or a recipe without toggles is a ValueError of one line."""
+    name, _, rest = spec.partition(":")
+    module = peers.recipe(name).load()
+    if not hasattr(module, "Toggles"):
+        raise ValueError(f"--peer {spec}: {name} has no toggles (recipes with toggles: "
+                         f"{', '.join(n for n, r in peers.RECIPES.items() if hasattr(r.load(), 'Toggles'))})")
+    try:
+        base = {**dataclasses.asdict(module.Toggles()), **module.parse_toggles(rest)}
+    except ValueError as e:
+        raise ValueError(f"--peer {spec}: {e}") from None
+    flags = [k for k, v in base.items() if isinstance(v, bool)]
+    quant = [k for k in flags if k.startswith("quant_")]
+    none = {k: False for k in quant}
+    variants = {"all (default)": {}, **{f"{k[len('quant_'):].upper()} only": {**none, k: True} for k in quant},
+                "none": none, **{f"all, {k}={int(not base[k])}": {k: not base[k]} for k in flags}}
+    return PeerVariants(spec, name, {label: {**base, **change} for label, change in variants.items()})
+
+
+def _peer_cosines(job: Job, emu, ref: np.ndarray) -> np.ndarray:
+    """The cosine of each of the job's pairs under one peer variant (NaN: a non-finite output)."""
+    out = emu.call(emu.prepare(job.dump, ref))[job.pairs.rows, job.pairs.heads]
+    cos, _ = fp64.cos_rel(fp64.pair_sums(np, out, ref[job.pairs.rows, job.pairs.heads]))
+    return np.where(np.isfinite(out).all(axis=1), cos, np.nan)
+
+
+def peer_attribute_jobs(jobs: list[Job], peer: PeerVariants, engine: Engine, *, worst: int | None = None,
+                        buckets: int = 8, progress=None) -> Attribution:
+    """Each variant of ``peer`` on every selected pair of each job, or on its ``worst`` lowest-cosine
+    pairs under the spec's toggles, the recipe run on the CPU (apa_emu.peers) on the dump padded in front
+    (peer_check.padded) and measured against float64 attention computed by ``engine``."""
+    if worst is not None:
+        check_count(worst)
+    emus = {label: versus.SageEmu(f"{peer.recipe}:{label}", peer.recipe, toggles)
+            for label, toggles in peer.variants.items()}
+    first = next(iter(emus.values()))
+    tables, done = [], 0
+    with engine.context():
+        for job in jobs:
+            why = first.lacks(job.dump)
+            if why:
+                raise ValueError(f"{job.name}: --peer {peer.spec} does not run {why}")
+            ref = versus.float64_reference(engine, job.dump, first.scale(job.dump.hd))
+            cos = {}
+            for label, emu in emus.items():
+                cos[label] = _peer_cosines(job, emu, ref)
+                done += 1
+                if progress:
+                    progress(done, len(jobs) * len(emus))
+            base = cos[next(iter(cos))]
+            order = np.argsort(np.where(np.isnan(base), -np.inf, base), kind="stable")[:worst]
+            tables.append(AttributeTable(job.pairs.take(order), {k: VariantScore.of(first.device, c[order])
+                                                                  for k, c in cos.items()},
+                                         breakdown(job.pairs, base, job.dump, buckets), {}))
+            engine.release()
+    return Attribution(tables, _pooled(tables, "variants"), {}, [])
 
 
 def plot_heatmap(panels: dict[str, Breakdown], out, title) -> str:
@@ -252,6 +327,13 @@ HELP = ("cosines of every pair under each quantization variant and numerics togg
 EPILOG = common.study_epilog(_epilog())
 
 
+PEER_HELP = ("a recipe of apa_emu.peers with toggles, sageattention3 (numerics.md §15), run on the CPU on the dump "
+             "padded in front, its spec's KEY=VAL on top of the published toggles, e.g. sageattention3:"
+             "causal_dropped_tile=0; variants: the recipe as given, each quantized operand alone (Q only, ...), none "
+             "quantized, each on/off toggle flipped alone (all, KEY=0|1); no seed column; --config, --eps and "
+             "--cluster do not apply. sageattention has no toggles")
+
+
 def add_arguments(p) -> None:
     common.study_options(p)
     p.add_argument("--worst", type=common.count, metavar="N",
@@ -268,6 +350,8 @@ def add_arguments(p) -> None:
                    help="also run each variant on the seed's arithmetic (Config.seed(), docs/numerics.md §12), "
                         "a column beside ours; the kernel lacks it, so with the GPU it runs on the CPU emulator "
                         "over --cpu-worst pairs")
+    p.add_argument("--peer", metavar="RECIPE[:KEY=VAL,...]",
+                   help="attribute a peer recipe's error instead of APA's (" + PEER_HELP + ")")
     common.eps(p)
 
 
@@ -275,25 +359,48 @@ _STATS = ["pairs", "mean_cos", "min_cos", "below_0_999", "nonfinite"]
 _SEED_STATS = ["engine", "mean_cos", "min_cos"]  # the seed column of apa attribute (its JSON has them all)
 
 
+def _peer(args) -> PeerVariants | None:
+    """--peer's variants, refused in one line before any dump is read, with the options that run APA."""
+    if not args.peer:
+        return None
+    apa_only = [flag for flag, given in (("--config", args.config), ("--eps", args.eps is not None),
+                                          ("--cluster", args.cluster), ("--devices", args.devices)) if given]
+    if apa_only:
+        raise ValueError(f"--peer runs the recipe in this process under its own toggles: leave {', '.join(apa_only)} out")
+    args.seed = False
+    return peer_variants(args.peer)
+
+
+def _compute(args, peer: PeerVariants | None):
+    def compute(jobs, cfg, engine, progress, where):
+        if peer:
+            return peer_attribute_jobs(jobs, peer, engine, worst=args.worst, buckets=args.buckets, progress=progress)
+        return attribute_jobs(jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets,
+                              workers=args.workers, progress=progress, seed=args.seed, where=where)
+
+    return compute
+
+
 def run(args) -> None:
-    jobs, cfg, engine, att = common.run_study(args, lambda jobs, cfg, engine, progress, where: attribute_jobs(
-        jobs, cfg, engine, worst=args.worst, cpu_worst=args.cpu_worst, buckets=args.buckets, workers=args.workers,
-        progress=progress, seed=args.seed, where=where))
+    peer = _peer(args)
+    jobs, cfg, engine, att = common.run_study(args, _compute(args, peer))
     many = len(jobs) > 1
     scope = "every pair" if args.worst is None else f"the {args.worst} lowest-cosine pairs{' of each dump' * many}"
-    slow = any(s.engine != engine.name for s in att.pooled.values())
+    slow = not peer and any(s.engine != engine.name for s in att.pooled.values())
     note = "; the variants the kernel lacks on the CPU emulator, over the lowest-cosine pairs" if slow else ""
     seed_note = ("; seed: the variant on the seed's arithmetic (--config preset=seed; (sm90): on the sm90 MMA model, "
                  "the seed's FP4 MMA needs every operand quantized)") if args.seed else ""
-    tables = [table(f"{common.named(jobs, 'apa attribute')} ({engine.name}): cosines of {scope} under each variant"
+    what = f"the {peer.recipe} recipe" if peer else engine.name
+    setting = peer.spec if peer else cfg_name(cfg)
+    tables = [table(f"{common.named(jobs, 'apa attribute')} ({what}): cosines of {scope} under each variant"
                     f"{note}{seed_note}", ["variant", *["dump"] * many, "engine", *_STATS,
                                            *([f"seed {c}" for c in _SEED_STATS] if args.seed else [])],
                     _variant_rows(args, jobs, att))]
     for job, t in zip(jobs, att.tables):
         b = t.breakdown
-        tables += [table(f"{job.name}, {cfg_name(cfg)}: by query head", ["head", *_STATS],
+        tables += [table(f"{job.name}, {setting}: by query head", ["head", *_STATS],
                          [[h, *(st[c] for c in _STATS)] for h, st in b.heads]),
-                   table(f"{job.name}, {cfg_name(cfg)}: by query position", ["positions", *_STATS],
+                   table(f"{job.name}, {setting}: by query position", ["positions", *_STATS],
                          [[lab, *(st[c] for c in _STATS)] for lab, st in b.buckets])]
     png = plot_heatmap({j.name: t.breakdown for j, t in zip(jobs, att.tables)}, args.plot,
                        common.what(jobs)) if args.plot else None
@@ -326,7 +433,8 @@ def _variant_rows(args, jobs, att: Attribution) -> list[list]:
 
 
 def _payload(args, jobs, cfg, engine, att: Attribution, png) -> dict:
-    fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png, seed_on_sm90=att.seed_on_sm90)
+    fields = dict(worst=args.worst, cpu_worst=args.cpu_worst, plot=png, seed_on_sm90=att.seed_on_sm90, peer=args.peer,
+                  peer_toggles=peer_variants(args.peer).variants if args.peer else None)
     if len(jobs) == 1:
         return common.payload(args, jobs, cfg, engine, **fields, **att.tables[0].to_json())
     return common.payload(args, jobs, cfg, engine, **fields,
