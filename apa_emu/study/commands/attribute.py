@@ -1,6 +1,7 @@
 """``apa attribute``: the seed's error-source table. Every pair (or the worst) rerun under each
 quantization variant and numerics toggle, on our arithmetic and on the seed's, and where the error
-of the command's config sits by head and query position."""
+of the command's config sits by head and query position. With ``--peer``, the same for a peer recipe's
+toggles (apa_emu.peers), on the dump padded in front."""
 
 from __future__ import annotations
 
