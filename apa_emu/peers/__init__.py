@@ -49,6 +49,9 @@ RECIPES = {
     # to hold against it; ``apa compare`` runs it on the CPU.
     "sageattention3": Recipe("sageattention3", "apa_emu.peers.sage3", (), (64, 128),
                              "SageAttention3 NVFP4 causal, emulated (numerics.md §15)"),
+    # Emulated only, as SageAttention3: its sm_90 kernel is not installed on the machines here.
+    "sageattention2": Recipe("sageattention2", "apa_emu.peers.sage2", (), (64, 128),
+                             "SageAttention2 sm_90 INT8 QK, FP8 PV causal, emulated (numerics.md §16)"),
 }
 
 
