@@ -1,9 +1,7 @@
 """The emulated SageAttention2 sm_90 recipe (numerics.md §16) against independent oracles: float64
 causal attention, ml_dtypes casts for the FP8 steps, hand-derived values of the Hopper FP8 wgmma
-model and of the per-thread quantization groups.
-
-Stand-in SFU tables (correctly rounded exp2 and reciprocal at each table point) keep the recipe's
-structure apart from any GPU's approximations.
+model and of the per-thread quantization groups. The SFU tables are the stand-ins (correctly
+rounded at every table point), so no GPU's approximation enters.
 """
 
 from __future__ import annotations
@@ -18,11 +16,11 @@ from apa_emu.peers import sage2 as s2
 from helpers import standin_sfu_tables
 
 F32 = np.float32
-OFF = dict(quant_q=False, quant_k=False, quant_v=False, quant_p=False)
+OFF = {f"quant_{x}": False for x in "qkpv"}
 
 
-@pytest.fixture(scope="module")
-def tables() -> sfu.Tables:
+@pytest.fixture(scope="module", name="tables")
+def standin_tables() -> sfu.Tables:
     return standin_sfu_tables()
 
 
