@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from apa_emu import formats, fpmath, mma, sfu
+from apa_emu import formats, fpmath, mma, peers, sfu
 from apa_emu.peers import sageattn
 
 BLOCK_M = 64  # CTA_Q: query rows per program (and BLKQ of the quantizers)
@@ -329,3 +329,12 @@ def tile(row: int, head: int, n: int, h_q: int, h_k: int, nan: bool = False) -> 
     last = hi // BLOCK_N
     return (f"query block {bx} (rows {lo}..{hi}, row {row - lo} of it) of query head {head} (kv head "
             f"{head // (h_q // h_k)}); key tiles 0..{last}, tile {last} masked")
+
+
+def parse_toggles(text: str) -> dict:
+    """``KEY=VAL,...`` of ``Toggles`` fields as keyword arguments of ``run`` (``qk_quant_gran``,
+    ``pv_accum`` and ``fp8_mma`` as words, ``masked_load`` a number, the rest 0/1/true/false); a
+    ValueError of one line for an unknown key or a bad value."""
+    out = peers.parse_toggles("sageattention2", Toggles, text)
+    Toggles(**out).check()
+    return out
