@@ -16,7 +16,7 @@ Shapes: q [n, h_q, d], k and v [n, h_k, d] (one batch element), FP16, d 64 or 12
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -169,7 +169,7 @@ def quantize_v(v: np.ndarray, t: Toggles, tables) -> list:
     vt = _padded(v, nk).astype(_F32).transpose(1, 2, 0)  # [h_k, d, n_k]
     if not t.quant_v:
         return [Operand(np.ascontiguousarray(x), np.ones(x.shape[0], _F32), False) for x in vt]
-    rcp = lambda x: sfu.unary_array("rcp.approx.ftz.f32", x, tables)  # noqa: E731
+    rcp = functools.partial(sfu.unary_array, "rcp.approx.ftz.f32", t=tables)
     amax = np.abs(vt).max(axis=2)
     scale = amax * rcp(np.full(amax.shape, FP8_MAX, _F32))
     with np.errstate(invalid="ignore"):
