@@ -11,6 +11,7 @@ may be the same array as ``out``):
 
 * ``mma_sm90_f32(A, B, C, out)``  Hopper ``mma.sync.m16n8k16.f32.f16.f16.f32`` (numerics.md §3.1)
 * ``mma_sm90_f16(A, B, C, out)``  Hopper ``mma.sync.m16n8k16.f16.f16.f16.f16`` (numerics.md §3.1)
+* ``mma_sm90_e4m3(A, B, C, out)``  Hopper ``wgmma … k32.f32.e4m3.e4m3`` (numerics.md §16.7)
 * ``mma_sm120(Acodes, Ascales, Bcodes, Bscales, C, out)``  sm_120 ``mxf4nvf4 … scale_vec::4X …
   ue4m3`` (numerics.md §3.2)
 * ``mma_exact(A, B, C, out)``  binary64 chain rounded once (numerics.md §3.3)
@@ -30,6 +31,7 @@ from numba import njit
 # Output conversions ρ of mma_models.md §1.7.
 RHO_RZ_FP32 = 0
 RHO_RNE_FP16 = 1
+RHO_RZ_E8M13 = 2  # Hopper FP8 wgmma: RZ to binary32 keeping 13 fraction bits (mma_models research note §5)
 
 
 class Instr(NamedTuple):
@@ -45,10 +47,14 @@ class Instr(NamedTuple):
 SM90_F32 = Instr(F=25, e_zero=-133, rho=RHO_RZ_FP32, L=16, G=1)
 SM90_F16 = Instr(F=25, e_zero=-21, rho=RHO_RNE_FP16, L=16, G=1)
 SM120_NVF4 = Instr(F=35, e_zero=-139, rho=RHO_RZ_FP32, L=64, G=16)
+# Hopper wgmma e4m3·e4m3 → f32: one fused step of 32 products and C, F = 13, RZ-E8M13 (MMA-Sim's
+# parameters; the note's §5, left out of docs/mma_models.md as not probed here: numerics.md §16.7).
+SM90_E4M3 = Instr(F=13, e_zero=-133, rho=RHO_RZ_E8M13, L=32, G=1)
 
 INSTRUCTIONS = {
     "sm90_f32": SM90_F32,  # mma.sync.m16n8k16.f32.f16.f16.f32
     "sm90_f16": SM90_F16,  # mma.sync.m16n8k16.f16.f16.f16.f16
+    "sm90_e4m3": SM90_E4M3,  # wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3
     "sm120_nvf4": SM120_NVF4,  # mma.sync.m16n8k64.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3
 }
 
@@ -133,6 +139,15 @@ def _rne_f16(x):
     return np.float32(y) + np.float32(0.0)
 
 
+@njit(cache=True, inline="always")
+def _rz_e8m13(x):
+    """RZ of an exact nonzero binary64 value to 14 significant bits (13 fraction bits, the low 10 of
+    the binary32 result zero; Hopper FP8 wgmma), the quantum 2^(max(e, −126) − 13), then `_rz_f32`
+    (exact here) for the overflow to ±inf."""
+    e = max(_exp64(x), -126)
+    return _rz_f32(np.trunc(x * _pow2(13 - e)) * _pow2(e - 13))
+
+
 # ---------------------------------------------------------------------------------------------
 # The primitive
 # ---------------------------------------------------------------------------------------------
@@ -179,6 +194,8 @@ def _fdpa(val, ex, n, F, e_zero, rho, may_be_special):
     x = np.float64(s) * _pow2(E - F)  # exact: |s| < 2^53, no underflow
     if rho == RHO_RNE_FP16:
         return _rne_f16(x)
+    if rho == RHO_RZ_E8M13:
+        return _rz_e8m13(x)
     return _rz_f32(x)
 
 
@@ -196,11 +213,12 @@ def _check_shapes(M, N, K, C, out, L):
 
 
 @njit(cache=True, inline="always")
-def _t_fdpa_chain(A, B, C, out, F, e_zero, rho, L, c_emin):
+def _t_fdpa_chain(A, B, C, out, F, e_zero, rho, L, c_emin, op_emin=-14):
     """Chain of T-FDPA steps of L products plus C (numerics.md §3.1; mma_models.md §3, §4).
 
-    Products of FP16 values are exact in binary64; each gets exponent e_a + e_b (not renormalised),
-    an FP16 subnormal counting as −14. C is decoded with subnormal exponent ``c_emin``.
+    Products of FP16 (or E4M3) values are exact in binary64; each gets exponent e_a + e_b (not
+    renormalised), a subnormal operand counting as ``op_emin`` (FP16 −14, E4M3 −6). C is decoded with
+    subnormal exponent ``c_emin``.
     """
     M, K = A.shape
     N = B.shape[0]
@@ -212,11 +230,11 @@ def _t_fdpa_chain(A, B, C, out, F, e_zero, rho, L, c_emin):
     special = False
     for m in range(M):
         for k in range(K):
-            ea[m, k] = _ZERO_TERM if A[m, k] == np.float32(0.0) else _exp32(A[m, k], -14)
+            ea[m, k] = _ZERO_TERM if A[m, k] == np.float32(0.0) else _exp32(A[m, k], op_emin)
             special |= not abs(A[m, k]) <= _BIG
     for j in range(N):
         for k in range(K):
-            eb[j, k] = _ZERO_TERM if B[j, k] == np.float32(0.0) else _exp32(B[j, k], -14)
+            eb[j, k] = _ZERO_TERM if B[j, k] == np.float32(0.0) else _exp32(B[j, k], op_emin)
             special |= not abs(B[j, k]) <= _BIG
     val = np.empty(L + 1, np.float64)
     ex = np.empty(L + 1, np.int64)
@@ -254,6 +272,15 @@ def mma_sm90_f16(A, B, C, out):
     0x7FFFE000, the exact widening of the canonical 0x7FFF.
     """
     _t_fdpa_chain(A, B, C, out, SM90_F16.F, SM90_F16.e_zero, SM90_F16.rho, SM90_F16.L, -14)
+
+
+@njit(cache=True)
+def mma_sm90_e4m3(A, B, C, out):
+    """Hopper ``wgmma … k32.f32.e4m3.e4m3`` chained in k steps of 32 (numerics.md §16.7): A float32
+    [M, K] and B float32 [N, K] hold E4M3 values (not checked), C, out float32 [M, N] (C may alias
+    out); each step truncates every term to 13 bits below the largest and the sum RZ-E8M13.
+    K a multiple of 32."""
+    _t_fdpa_chain(A, B, C, out, SM90_E4M3.F, SM90_E4M3.e_zero, SM90_E4M3.rho, SM90_E4M3.L, -126, -6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ words naming the kernel's tile that computed an output row).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -49,6 +50,9 @@ RECIPES = {
     # to hold against it; ``apa compare`` runs it on the CPU.
     "sageattention3": Recipe("sageattention3", "apa_emu.peers.sage3", (), (64, 128),
                              "SageAttention3 NVFP4 causal, emulated (numerics.md §15)"),
+    # Emulated only, as SageAttention3: its sm_90 kernel is not installed on the machines here.
+    "sageattention2": Recipe("sageattention2", "apa_emu.peers.sage2", (), (64, 128),
+                             "SageAttention2 sm_90 INT8 QK, FP8 PV causal, emulated (numerics.md §16)"),
 }
 
 
@@ -57,6 +61,33 @@ def recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"no peer recipe {name!r} (recipes: {', '.join(RECIPES)}; {APA!r} is the emulator)")
     return RECIPES[name]
+
+
+def parse_toggles(name: str, toggles: type, text: str) -> dict:
+    """``KEY=VAL,...`` of the fields of a recipe's ``Toggles`` dataclass as keyword arguments of its
+    ``run``: booleans as 0/1/true/false, words as given, numbers as floats; a ValueError of one line
+    starting with the recipe's ``name`` for an unknown key or a bad value."""
+    fields = {f.name: f.type for f in dataclasses.fields(toggles)}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, val = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"{name}: no toggle {key!r} (toggles: {', '.join(fields)})")
+        out[key] = _toggle_value(name, key, fields[key], val)
+    return out
+
+
+def _toggle_value(name: str, key: str, kind: str, val: str):
+    if kind == "bool":
+        if val.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(f"{name}: {key} takes 0/1/true/false, got {val!r}")
+        return val.lower() in ("1", "true")
+    if kind == "str":
+        return val
+    try:
+        return float(val)
+    except ValueError:
+        raise ValueError(f"{name}: {key} takes a number, got {val!r}") from None
 
 
 class PeerRun(NamedTuple):

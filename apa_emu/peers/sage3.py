@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit
 
 from apa_emu import formats, fpmath, mma, sfu
+from apa_emu import peers
 from apa_emu.peers import sageattn
 
 BLOCK = BLOCK_M = 128  # kBlockM = kBlockN = the padding multiple = the Q mean group (GROUP_SIZE)
@@ -300,19 +301,4 @@ def tile(row: int, head: int, n: int, h_q: int, h_k: int, nan: bool = False) -> 
 def parse_toggles(text: str) -> dict:
     """``KEY=VAL,...`` of ``Toggles`` fields (booleans as 0/1/true/false, the inits as numbers) as
     keyword arguments of ``run``; a ValueError of one line for an unknown key or a bad value."""
-    fields = {f.name: f.type for f in dataclasses.fields(Toggles)}
-    out = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, _, val = item.partition("=")
-        if key not in fields:
-            raise ValueError(f"sageattention3: no toggle {key!r} (toggles: {', '.join(fields)})")
-        if fields[key] == "bool":
-            if val.lower() not in ("0", "1", "true", "false"):
-                raise ValueError(f"sageattention3: {key} takes 0/1/true/false, got {val!r}")
-            out[key] = val.lower() in ("1", "true")
-        else:
-            try:
-                out[key] = float(val)
-            except ValueError:
-                raise ValueError(f"sageattention3: {key} takes a number, got {val!r}") from None
-    return out
+    return peers.parse_toggles("sageattention3", Toggles, text)

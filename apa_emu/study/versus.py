@@ -10,6 +10,8 @@ An engine of the comparison is named by a spec (``SPECS``):
 - ``sageattention3-emu``: SageAttention3's NVFP4 recipe as published, emulated on the CPU (apa_emu.peers.sage3;
   it needs sm_120 to run for real); ``sageattention3-emu:causal_dropped_tile=0`` the corrected causal path,
   and any other of its toggles the same way;
+- ``sageattention2-emu``: SageAttention2's sm_90 recipe (INT8 Q·K, FP8 P·V), emulated on the CPU
+  (apa_emu.peers.sage2), e.g. ``sageattention2-emu:qk_quant_gran=per_warp``;
 - ``sdpa-fp16``: torch's FP16 ``scaled_dot_product_attention`` on a CUDA device (its own choice of
   backend), where torch has none an FP16-input, float32 NumPy attention on the CPU, named so;
   ``sdpa:flash``, ``sdpa:efficient``, ``sdpa:cudnn``, ``sdpa:math``: one backend, on CUDA only;
@@ -31,7 +33,7 @@ import numpy as np
 from .. import engines, peers, sfu
 from ..call import resolve_call
 from ..config import Config
-from ..peers import sage3
+from ..peers import sage2, sage3
 from . import fp64
 from .engine import reference
 from .peer_check import padded
@@ -40,7 +42,8 @@ PURE_FP4 = Config(eps=1e9)  # no tile is hot: the gap recovered is measured from
 PURE_FP4_SPEC = "apa:eps=1e9"
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 SPECS = ("apa:KEY=VAL,...", "sageattention", "sageattention-emu", "sdpa-fp16",
-         *(f"sdpa:{b}" for b in SDPA_BACKENDS), "fp16-exact", "sageattention3-emu[:KEY=VAL,...]")
+         *(f"sdpa:{b}" for b in SDPA_BACKENDS), "fp16-exact", "sageattention3-emu[:KEY=VAL,...]",
+         "sageattention2-emu[:KEY=VAL,...]")
 SAGE = "sageattention"
 CPU_ROWS = 256  # query rows of one head at a time in the CPU float32 attention
 
@@ -268,8 +271,8 @@ def parse_spec(text: str, base: Config | None = None):
         except ValueError as e:
             raise ValueError(f"engine {text!r}: {e}") from None
         return lambda: Apa(text, cfg)
-    if name == "sageattention3-emu":
-        return _sage3_emu(text, rest)
+    if name in _EMULATED:
+        return _emulated(text, name, rest)
     if name == "sdpa" and sep and rest in SDPA_BACKENDS:
         return lambda: Sdpa(rest)
     known = {SAGE: SageReal, "sageattention-emu": SageEmu, "sdpa-fp16": _sdpa_fp16, "fp16-exact": Exact}
@@ -278,14 +281,18 @@ def parse_spec(text: str, base: Config | None = None):
     return known[text]
 
 
-def _sage3_emu(text: str, rest: str):
-    """SageAttention3's emulated recipe (numerics.md §15) under the spec's toggles, e.g.
-    ``sageattention3-emu:causal_dropped_tile=0`` for the corrected causal path."""
+_EMULATED = {"sageattention3-emu": ("sageattention3", sage3), "sageattention2-emu": ("sageattention2", sage2)}
+
+
+def _emulated(text: str, name: str, rest: str):
+    """An emulated peer recipe under the spec's toggles, e.g. ``sageattention3-emu:causal_dropped_tile=0``
+    (numerics.md §15) for the corrected causal path, ``sageattention2-emu:pv_accum=fp32`` (§16)."""
+    recipe, module = _EMULATED[name]
     try:
-        toggles = sage3.parse_toggles(rest)
+        toggles = module.parse_toggles(rest)
     except ValueError as e:
         raise ValueError(f"engine {text!r}: {e}") from None
-    return lambda: SageEmu(text, "sageattention3", toggles)
+    return lambda: SageEmu(text, recipe, toggles)
 
 
 def contenders(specs, note, base: Config | None = None) -> list[Contender]:
