@@ -203,7 +203,7 @@ def scores(q_op: Operand, k_op: Operand) -> np.ndarray:
     """§16.5 the INT8 wgmma chain (k32 steps from scale-d = 0): exact integers, |S| ≤ 127²·128 < 2²⁴,
     so ``__int2float_rz`` is exact; with either operand unquantized, the exact model on the values."""
     if q_op.quantized and k_op.quantized:
-        return (q_op.values.astype(np.int64) @ k_op.values.astype(np.int64).T).astype(_F32)
+        return (q_op.values.astype(np.int64) @ k_op.values.astype(np.int64).T).astype(_F32)  # ok: exact ints
     out = np.empty((len(q_op.values), len(k_op.values)), _F32)
     mma.mma_exact(q_op.values, k_op.values, np.zeros_like(out), out)
     return out

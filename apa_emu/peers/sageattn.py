@@ -117,7 +117,7 @@ def _fma(a, b, c) -> np.ndarray:
 
 def scores(q_blk: np.ndarray, k_blk: np.ndarray, q_scale: np.float32) -> np.ndarray:
     """§14.4: the INT8 wgmma sum (exact, |Σ| < 2²⁴ so ``cvt.rn.f32.s32`` is exact) ⊗ q_scale."""
-    qk = q_blk.astype(np.int64) @ k_blk.astype(np.int64).T
+    qk = q_blk.astype(np.int64) @ k_blk.astype(np.int64).T  # ok: int64 sums are exact in any order
     return qk.astype(_F32) * q_scale
 
 

@@ -164,7 +164,7 @@ def summary(p: Positions, first: int = 1, last: float = math.inf) -> dict:
                 kld_p99=float(np.quantile(kld, 0.99)) if some else math.nan,
                 kld_p999=float(np.quantile(kld, 0.999)) if some else math.nan,
                 same_top=100.0 * float(p.same_top[m].mean()) if some else math.nan,
-                rms_dp=float(np.sqrt(np.mean(p.dp[m] ** 2))) if some else math.nan)
+                rms_dp=float(np.sqrt(np.mean(p.dp[m] ** 2))) if some else math.nan)  # ok: a float64 metric
 
 
 def buckets(p: Positions) -> list[dict]:
