@@ -167,3 +167,20 @@ def test_json_keys_and_plot_on_smollm2(smollm2, capsys, tmp_path):
     assert all((tmp_path / f"model_smollm2_24_{k}.png").is_file() for k in ("positions", "per_layer"))
     one_error_line(capsys, ["model", "--engines", "fp16-exact", "--tokens", "24", "--plot-dir", str(tmp_path)],
                    f"--plot-dir {tmp_path}: model_smollm2_24_positions.png exists already")
+
+
+def test_eps_grid_runs_each_test_and_draws_the_frontier(smollm2, capsys, tmp_path):
+    out = tmp_path / "g.json"
+    argv = ["model", "--eps-grid", "1e9", "-1", "--hot-tests", "mass", "budget", "--engines", "fp16-exact",
+            "--tokens", "24", "--backend", "cpu", "--json", str(out), "--plot-dir", str(tmp_path)]
+    assert main(argv) == 0
+    runs = {e["engine"]: e for e in json.loads(out.read_text())["engines"]}
+    grid = [f"apa:hot_test={t},eps={e}" for t in ("mass", "budget") for e in ("1e+09", "-1")]
+    assert list(runs) == ["fp16-exact", *grid]
+    kld = {s: runs[s]["buckets"][-1]["kld_mean"] for s in grid}
+    for test in ("mass", "budget"):  # pure FP4 recomputes nothing and is the worst; ε < 0 recomputes every tile
+        assert runs[f"apa:hot_test={test},eps=1e+09"]["hot_share"] == 0
+        assert runs[f"apa:hot_test={test},eps=-1"]["hot_share"] == 1
+        assert kld[f"apa:hot_test={test},eps=1e+09"] > 10 * kld[f"apa:hot_test={test},eps=-1"]
+    assert (tmp_path / "model_smollm2_24_frontier.png").is_file()
+    one_error_line(capsys, ["model"], "no engine: give --engines, --eps-grid, or both")

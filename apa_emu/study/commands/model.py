@@ -67,9 +67,14 @@ def add_arguments(p) -> None:
     p.add_argument("--text", help="a UTF-8 text file (default: the model's bundled sample)")
     p.add_argument("--tokens", type=common.at_least(2), default=1024, metavar="N",
                    help="the text's first N tokens (SmolLM2: at most 8192; Gemma 3 past 32768 warns)")
-    p.add_argument("--engines", nargs="+", metavar="E", required=True,
+    p.add_argument("--engines", nargs="+", metavar="E", default=[],
                    help="the engines (apa compare's specs, below); --config gives the config each apa: spec's "
                         "toggles start from")
+    p.add_argument("--eps-grid", nargs="+", type=float, default=[], metavar="EPS",
+                   help="also run APA at each of these ε under each --hot-tests test (apa:hot_test=T,eps=EPS); "
+                        "--plot-dir then draws the frontier: mean KLD against hot share")
+    p.add_argument("--hot-tests", nargs="+", choices=("mass", "output", "budget"), default=["mass"], metavar="T",
+                   help="the hot tests of --eps-grid: mass, output, budget (default: mass)")
     common.study_options(p, units=False, json=False, dumps=False)
     p.add_argument("--per-layer", action="store_true",
                    help="also run each engine in one layer at a time (one more pass per engine and layer)")
@@ -88,6 +93,8 @@ def _plot_paths(args) -> dict[str, Path]:
         raise ValueError(f"--plot-dir {folder}: not an existing folder")
     stem = f"model_{args.model}_{args.tokens}"
     paths = {"positions": folder / f"{stem}_positions.png"}
+    if sum(spec.startswith("apa") for spec in args.engines) > 1:
+        paths["frontier"] = folder / f"{stem}_frontier.png"
     if args.per_layer:
         paths["per_layer"] = folder / f"{stem}_per_layer.png"
     for path in paths.values():
@@ -143,8 +150,18 @@ def _engine(args, base, chosen, model):
     return engine
 
 
+def _grid(args) -> list[str]:
+    """--engines, then the --eps-grid × --hot-tests APA specs; an empty list is refused."""
+    grid = [f"apa:hot_test={t},eps={e:g}" for t in dict.fromkeys(args.hot_tests) for e in dict.fromkeys(args.eps_grid)]
+    specs = list(dict.fromkeys([*args.engines, *grid]))
+    if not specs:
+        raise ValueError("no engine: give --engines, --eps-grid, or both")
+    return specs
+
+
 def run(args) -> None:
     base = common.config(args)
+    args.engines = _grid(args)
     makers = {spec: versus.parse_spec(spec, base) for spec in dict.fromkeys(args.engines)}
     common.check_outputs(args, [args.text] if args.text else [])
     plots = _plot_paths(args)
@@ -163,7 +180,7 @@ def run(args) -> None:
         runs = endtoend.every_layer(done, chosen, engine)
         layered = endtoend.per_layer(done, chosen, engine) if args.per_layer else {}
     payload = _payload(args, title, tokens, engine, base, runs, layered)
-    written = _plots(args, title, runs, layered, plots)
+    written = _plots(args, title, runs, layered, plots, {c.spec: c.cfg for c in chosen if isinstance(c, versus.Apa)})
     if args.json_out:
         text = json.dumps(json_safe(dict(payload, plots=written)), indent=1, allow_nan=False) + "\n"
         write_atomically(args.json_out, lambda f: f.write(text.encode()))
@@ -227,8 +244,9 @@ def _smoothed(x: np.ndarray, keep: np.ndarray, width: int) -> np.ndarray:
         return (sums[i] - sums[j]) / (counts[i] - counts[j])
 
 
-def _plots(args, title: str, runs, layered, paths) -> list[str]:
-    """KLD against position (a running mean) and, with --per-layer, each layer's KLD contribution."""
+def _plots(args, title: str, runs, layered, paths, cfgs) -> list[str]:
+    """KLD against position (a running mean), the frontier of the APA engines and, with --per-layer, each
+    layer's KLD contribution."""
     written = []
     plt = pyplot()
     if "positions" in paths:
@@ -242,6 +260,8 @@ def _plots(args, title: str, runs, layered, paths) -> list[str]:
                title=f"{title}: KLD against float32 attention by position")
         ax.legend(fontsize=7)
         written.append(save(fig, paths["positions"]))
+    if "frontier" in paths:
+        written.append(save(_frontier(plt, title, runs, cfgs), paths["frontier"]))
     if "per_layer" in paths:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         for spec, by in layered.items():
@@ -251,3 +271,24 @@ def _plots(args, title: str, runs, layered, paths) -> list[str]:
         ax.legend(fontsize=7)
         written.append(save(fig, paths["per_layer"]))
     return written
+
+
+def _frontier(plt, title: str, runs, cfgs: dict):
+    """Mean KLD against hot share, the APA engines joined by hot test in order of hot share; every other
+    engine a dashed level."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    mean = {r.spec: endtoend.buckets(r.positions)[-1]["kld_mean"] for r in runs}
+    for test in dict.fromkeys(cfg.hot_test for cfg in cfgs.values()):
+        points = sorted((r.hot_share(), mean[r.spec], cfgs[r.spec].eps) for r in runs
+                        if r.spec in cfgs and cfgs[r.spec].hot_test == test and r.hot_share() is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=4, label=f"APA, {test} test")
+        for share, kld, eps in points:
+            ax.annotate(f"ε {eps:g}", (share, kld), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for r in runs:
+        if r.spec not in cfgs:
+            ax.axhline(mean[r.spec], ls="--", lw=1, color="gray")
+            ax.annotate(r.spec, (0, mean[r.spec]), fontsize=7, xytext=(2, 2), textcoords="offset points")
+    ax.set(yscale="log", xlabel="hot share (key tiles recomputed in pass 2)", ylabel="mean KLD (nats)",
+           title=f"{title}: accuracy against cost")
+    ax.legend(fontsize=7)
+    return fig
