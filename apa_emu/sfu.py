@@ -28,6 +28,7 @@ from numba import njit, prange
 
 DATA = Path(__file__).with_name("data") / "sfu_sm90.npz"
 FRACTION_BITS = 23  # MUFU.EX2 reads x as a fixed-point number with this many fraction bits (§13.2)
+_NEG = 1 << FRACTION_BITS  # where the ex2 table's negative half starts
 NAN_BITS = np.uint32(0x7FFFFFFF)  # every NaN the three ops and the multiplies around them return
 F16_NAN_BITS = np.uint16(0x7FFF)
 
@@ -45,17 +46,21 @@ _M126 = np.float32(-126.0)
 class Tables(NamedTuple):
     """The measured tables (§13.2–13.4), as the functions below take them."""
 
-    ex2: np.ndarray  # float32 [2²³]: MUFU.EX2 of f·2⁻²³, f = 0 .. 2²³ − 1
+    ex2: np.ndarray  # float32 [2²⁴]: MUFU.EX2 of f·2⁻²³, then of −k·2⁻²³; f, k = 0 .. 2²³ − 1
     rcp: np.ndarray  # float32 [2²³]: MUFU.RCP of 1 + m·2⁻²³, m = 0 .. 2²³ − 1
     ex2_f16: np.ndarray  # uint16 [2¹⁶]: MUFU.EX2.F16 of every binary16 bit pattern
 
 
+_STORED = {"ex2": lambda t: t.ex2[:_NEG], "ex2n": lambda t: t.ex2[_NEG:], "rcp": lambda t: t.rcp}
+
+
 def pack(t: Tables) -> dict:
-    """The arrays of ``t`` as DATA stores them: the two monotone binary32 tables as the int8
-    differences of their bits (a few MB compressed instead of 64)."""
+    """The arrays of ``t`` as DATA stores them: the three monotone binary32 runs (EX2 on the positive
+    and on the negative grid, RCP) as the int8 differences of their bits (a few MB compressed
+    instead of 96)."""
     out = {"ex2_f16": t.ex2_f16}
-    for name in ("ex2", "rcp"):
-        bits = t[Tables._fields.index(name)].view(np.uint32).astype(np.int64)
+    for name, run in _STORED.items():
+        bits = run(t).view(np.uint32).astype(np.int64)
         step = np.diff(bits, prepend=0)
         if np.abs(step[1:]).max() > 127:
             raise ValueError(f"sfu: the {name} table is not smooth enough to store as int8 steps")
@@ -64,11 +69,14 @@ def pack(t: Tables) -> dict:
 
 
 def unpack(arrays) -> Tables:
-    tabs = []
-    for name in ("ex2", "rcp"):
+    if "ex2n_first" not in arrays:
+        raise ValueError("sfu: these tables lack MUFU.EX2 on negative inputs (ex2n, §13.2); measure them anew "
+                         "with tools/sfu_check.py --measure")
+    runs = {}
+    for name in _STORED:
         first, steps = arrays[name + "_first"], arrays[name + "_steps"].astype(np.int64)
-        tabs.append(np.concatenate([first, first + np.cumsum(steps)]).astype(np.uint32).view(np.float32))
-    return Tables(tabs[0], tabs[1], np.asarray(arrays["ex2_f16"], np.uint16))
+        runs[name] = np.concatenate([first, first + np.cumsum(steps)]).astype(np.uint32).view(np.float32)
+    return Tables(np.concatenate([runs["ex2"], runs["ex2n"]]), runs["rcp"], np.asarray(arrays["ex2_f16"], np.uint16))
 
 
 def tables(path: Path | str | None = None) -> Tables:
@@ -95,7 +103,8 @@ def standin() -> Tables:
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         ex2_f16 = np.exp2(h).astype(np.float16).view(np.uint16)
-    return Tables(np.exp2(f).astype(np.float32), (1.0 / (1.0 + f)).astype(np.float32), ex2_f16)
+    ex2 = np.exp2(np.concatenate([f, -f])).astype(np.float32)
+    return Tables(ex2, (1.0 / (1.0 + f)).astype(np.float32), ex2_f16)
 
 
 @lru_cache(maxsize=None)
@@ -111,9 +120,9 @@ def _standin() -> Tables:
 
 @njit(cache=True)
 def mufu_ex2(x, ex2):
-    """MUFU.EX2 (``ex2.approx.ftz.f32``): a subnormal x reads as 0; x ≥ 128 gives +inf; else x is
-    floored to a multiple of 2⁻²³, n + f·2⁻²³ with 0 ≤ f < 2²³, and the result is ex2[f]·2ⁿ,
-    flushed to +0 below 2⁻¹²⁶."""
+    """MUFU.EX2 (``ex2.approx.ftz.f32``): a subnormal x reads as 0; x ≥ 128 gives +inf; else |x| is
+    truncated to a multiple of 2⁻²³, n + f·2⁻²³ with 0 ≤ f < 2²³, and the result is ex2[f]·2ⁿ for
+    x ≥ 0, ex2[2²³ + f]·2⁻ⁿ (the table of −f·2⁻²³) for x < 0, flushed to +0 below 2⁻¹²⁶."""
     x = np.float32(x)
     if x != x:
         return x
@@ -123,9 +132,9 @@ def mufu_ex2(x, ex2):
         return np.float32(np.inf)
     if x < np.float32(-127):
         return np.float32(0)
-    fx = int(math.floor(np.float64(x) * _TWO23))
-    n, f = fx >> FRACTION_BITS, fx & ((1 << FRACTION_BITS) - 1)
-    r = np.float64(ex2[f]) * math.ldexp(1.0, n)
+    fx = int(math.floor(abs(np.float64(x)) * _TWO23))
+    n, f = fx >> FRACTION_BITS, fx & (_NEG - 1)
+    r = np.float64(ex2[f]) * math.ldexp(1.0, n) if x >= 0 else np.float64(ex2[_NEG + f]) * math.ldexp(1.0, -n)
     return np.float32(r) if r >= _MIN_NORMAL else np.float32(0)
 
 

@@ -40,8 +40,8 @@ def evaluate(name: str, a=None, b=None, start: int = 0, count: int | None = None
 
 def measure() -> sfu.Tables:
     """The three tables of §13, read from this GPU."""
-    f = np.arange(1 << sfu.FRACTION_BITS, dtype=np.float64)
-    ex2 = evaluate("ex2.approx.ftz.f32", (f * 2.0**-sfu.FRACTION_BITS).astype(np.float32))
+    f = np.arange(1 << sfu.FRACTION_BITS, dtype=np.float64) * 2.0**-sfu.FRACTION_BITS
+    ex2 = evaluate("ex2.approx.ftz.f32", np.concatenate([f, -f]).astype(np.float32))
     rcp = evaluate("rcp.approx.ftz.f32", start=0x3F800000, count=1 << 23)
     h = evaluate("ex2.approx.f16", start=0, count=1 << 16)
     return sfu.Tables(ex2.get().view(np.float32), rcp.get().view(np.float32), h.get().astype(np.uint16))

@@ -72,13 +72,16 @@ def test_missing_tables_are_one_line(tmp_path, monkeypatch):
 
 
 def _ref_ex2(x: np.ndarray) -> np.ndarray:
-    """§13.2 on the stand-in tables, computed independently in binary64: 2 to the power of x floored to
-    a multiple of 2⁻²³ (the stand-in's entries are exp2 rounded once), flushed below 2⁻¹²⁶."""
+    """§13.2 on the stand-in tables, computed independently in binary64: |x| truncated to a multiple
+    of 2⁻²³, n + f, and 2ⁿ·RN(2^f) for x ≥ 0, 2⁻ⁿ·RN(2^−f) for x < 0 (the stand-in's entries are
+    exp2 rounded once), flushed below 2⁻¹²⁶."""
     xd = x.astype(np.float64)
+    sign = np.where(xd < 0, -1.0, 1.0)
     with np.errstate(over="ignore", invalid="ignore"):
-        fx = np.floor(xd * 2.0**23)
-        frac = np.exp2((fx - np.floor(fx / 2.0**23) * 2.0**23) / 2.0**23).astype(np.float32).astype(np.float64)
-        r = (frac * np.exp2(np.floor(fx / 2.0**23))).astype(np.float32)
+        fx = np.floor(np.abs(xd) * 2.0**23)
+        n = np.floor(fx / 2.0**23)
+        frac = np.exp2(sign * (fx - n * 2.0**23) / 2.0**23).astype(np.float32).astype(np.float64)
+        r = (frac * np.exp2(sign * n)).astype(np.float32)
     r = np.where(r < np.float32(2.0**-126), np.float32(0), r)
     r = np.where(np.abs(xd) < 2.0**-126, np.float32(1), r)
     return np.where(xd >= 128, np.float32(np.inf), np.where(xd < -127, np.float32(0), r)).astype(np.float32)
@@ -86,7 +89,7 @@ def _ref_ex2(x: np.ndarray) -> np.ndarray:
 
 def test_ex2_models_read_their_table_as_section_13_2_says():
     """On the stand-in tables (hardware-free), MUFU.EX2 and ex2.approx.f32's expansion against a
-    binary64 derivation of §13.1–13.2: off-grid inputs (floored, negatives included), the flush below
+    binary64 derivation of §13.1–13.2: off-grid inputs (truncated, negatives included), the flush below
     2⁻¹²⁶ and the expansion's subnormal results, subnormal inputs, the range ends."""
     t = sfu.standin()
     rng = np.random.default_rng(3)
