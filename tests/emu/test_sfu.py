@@ -1,5 +1,5 @@
 """The special-function models (numerics.md §13, apa_emu/sfu.py) against the hardware's recorded outputs:
-`tests/emu/data/sfu_samples_h100.npz` holds an H100's results on each instruction's hard cases
+`tests/emu/data/sfu_samples_h200.npz` holds an H200's results on each instruction's hard cases
 (special classes, the thresholds of §13.1, binade edges, integers) and on random inputs, written by
 ``tools/sfu_check.py --samples`` (apa_gpu/sfu.py ``sample_inputs``). The exhaustive check is that
 tool's, on the GPU (docs/results/gpu-log.md); here CI checks the models on the stored samples."""
@@ -11,7 +11,7 @@ import pytest
 
 from apa_emu import sfu
 
-SAMPLES = Path(__file__).with_name("data") / "sfu_samples_h100.npz"
+SAMPLES = Path(__file__).with_name("data") / "sfu_samples_h200.npz"
 UNARY = tuple(sfu.UNARY)
 
 
