@@ -28,7 +28,7 @@ CHOICES = {
 F32_MAX = float(np.finfo(np.float32).max)
 # What Config.seed() sets: the seed's (APA 0.6.1) arithmetic where it differs from ours (numerics.md §12).
 SEED_TOGGLES = dict(mma="sm120", fma=True, p_groups="interleaved", v_f16=True, k_stats="sampled", pad_vote=True,
-                    p2_shift="lanes", direct_store=True)
+                    p2_shift="lanes", direct_store=True, exp2="fast")
 
 
 def _in_binary32(x) -> bool:

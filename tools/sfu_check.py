@@ -7,7 +7,7 @@ many results differ and the first differing inputs, and exits 1 if any differs. 
 
 ``--measure OUT.npz`` first reads the tables from this GPU and writes them to OUT.npz, which the check
 then uses (and which ``APA_SFU_TABLES=OUT.npz`` hands to the emulator); without it the check uses the
-package's tables (measured on an H100). A GPU that differs from the package's tables gets its own that way.
+package's tables (measured on an H200). A GPU that differs from the package's tables gets its own that way.
 
     python tools/sfu_check.py                          # the package's tables, 2³⁰ division pairs
     python tools/sfu_check.py --measure my_gpu.npz     # this GPU's tables, then the check on them
