@@ -152,3 +152,23 @@ def test_plot_is_written(dump, tmp_path, capsys):
     png = tmp_path / "frontier.png"
     assert main(["compare", dump, "--engines", "apa:eps=0.005", "fp16-exact", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
+
+
+def test_record_appends_a_dated_section_and_keeps_the_page(dump, tmp_path, capsys, monkeypatch):
+    page = tmp_path / "peers.md"
+    before = "# Peers\n\nwritten by hand, kept\n"
+    page.write_text(before, encoding="utf-8")
+    argv = ["compare", dump, "--engines", "fp16-exact", "--record", str(page)]
+    monkeypatch.setattr("sys.argv", ["apa", *argv])
+    for run in range(2):
+        assert main(argv) == 0
+        text = page.read_text(encoding="utf-8")
+        assert text.startswith(before.rstrip("\n")) and text.count("\n## ") == run + 1  # appended, nothing lost
+        before = text
+    body = text.split("\n## ")[2]
+    assert f"- Command: `apa compare {dump} --engines fp16-exact --record {page}`" in body
+    assert re.search(r"^- Machine: .+ \(\d+ cores\)$", body, re.M)
+    assert re.search(r"^- Commit: (`[0-9a-f]{7}`( \+ uncommitted changes)?|apa-emu .+|unknown .+)$", body, re.M)
+    assert "| engine | device | pairs | worst_cos" in body and "| fp16-exact |" in body
+    one_error_line(capsys, ["compare", dump, "--engines", "fp16-exact", "--record", str(tmp_path / "p.txt")],
+                   f"--record {tmp_path / 'p.txt'}: the file is written as MD")

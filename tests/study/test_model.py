@@ -172,9 +172,13 @@ def test_json_keys_and_plot_on_smollm2(smollm2, capsys, tmp_path):
 def test_eps_grid_runs_each_test_and_draws_the_frontier(smollm2, capsys, tmp_path):
     out = tmp_path / "g.json"
     argv = ["model", "--eps-grid", "1e9", "-1", "--hot-tests", "mass", "budget", "--engines", "fp16-exact",
-            "--tokens", "24", "--backend", "cpu", "--json", str(out), "--plot-dir", str(tmp_path)]
+            "--tokens", "24", "--backend", "cpu", "--json", str(out), "--plot-dir", str(tmp_path),
+            "--record", str(tmp_path / "page.md")]
     assert main(argv) == 0
     runs = {e["engine"]: e for e in json.loads(out.read_text())["engines"]}
+    page = (tmp_path / "page.md").read_text(encoding="utf-8")
+    assert page.count("\n## ") == 1 and "- Commit: " in page and "| engine | bucket | positions | ppl_ratio" in page
+    assert f"Plot: `{tmp_path / 'model_smollm2_24_frontier.png'}`" in page
     grid = [f"apa:hot_test={t},eps={e}" for t in ("mass", "budget") for e in ("1e+09", "-1")]
     assert list(runs) == ["fp16-exact", *grid]
     kld = {s: runs[s]["buckets"][-1]["kld_mean"] for s in grid}

@@ -222,7 +222,8 @@ def dump_paths(args) -> list[Path]:
 # The options that name a file a command writes: how its messages name it (apa synth's dump is a
 # positional argument, named by its path alone) and the suffix its name must end in, if any: a plot is
 # PNG bytes whatever its name (plots.save), so a .pdf or .svg name would hold a PNG.
-OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "json_out": ("--json ", None), "out": ("", None)}
+OUTPUT_OPTIONS = {"plot": ("--plot ", ".png"), "json_out": ("--json ", None), "out": ("", None),
+                  "record": ("--record ", ".md")}
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -13,7 +13,7 @@ from ..dump import read_dump
 from ..files import write_atomically
 from ..plots import pyplot, save
 from ..report import emit, json_safe, say, table
-from .. import versus
+from .. import record, versus
 from . import common
 
 HELP = "APA against its peers (SageAttention, torch SDPA, pure FP4) on the same dumps: accuracy and cost"
@@ -70,6 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", dest="json_out", metavar="OUT", help="also write every number as JSON to the file OUT")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of the frontier, 1 − worst cosine against "
                    "cost (time; hot share for APA), one point per engine, pooled over the dumps")
+    p.add_argument("--record", metavar="PAGE.md", help="append the tables to the results page PAGE.md as one dated "
+                   "section with the command, the machine and the commit (created when new; nothing on it changes)")
 
 
 def _note(line: str) -> None:
@@ -95,7 +97,11 @@ def run(args) -> None:
         text = json.dumps(json_safe(dict(payload, plot=png)), indent=1, allow_nan=False) + "\n"
         write_atomically(args.json_out, lambda f: f.write(text.encode()))
     _print(args, names, results, pooled, chosen)
-    for path in filter(None, (args.json_out, png)):
+    if args.record:
+        record.append(args.record, _markdown(names, results, pooled, chosen)
+                      + "".join(f"\n\n{what}: `{path}`" for what, path in (("JSON", args.json_out), ("Plot", png)) if path),
+                      [c.device for c in chosen])
+    for path in filter(None, (args.json_out, png, args.record)):
         say(f"wrote {path}")
 
 
@@ -119,18 +125,31 @@ def _cosine(x: float) -> str:
     return f"{x:.{digits}f}"
 
 
-def _print(args, names, results, pooled, chosen) -> None:
-    """The tables, and what each engine is (its spec names it in the tables)."""
+def _titled(names, results, pooled) -> list[tuple[str, list]]:
     titled = [(f"apa compare {name}", _rows(ms)) for name, ms in zip(names, results)]
     if pooled:
         titled.append((f"apa compare, {len(names)} dumps pooled", _rows(pooled)))
-    legend = [f"{c.spec}: {c.label}" for c in chosen if c.label]
+    return titled
+
+
+def _legend(chosen) -> list[str]:
+    return [f"{c.spec}: {c.label}" for c in chosen if c.label]
+
+
+def _markdown(names, results, pooled, chosen) -> str:
+    """The tables as Markdown, then what each engine is."""
+    legend = _legend(chosen)
+    return "\n\n".join([*(markdown(title, _COLS, rows) for title, rows in _titled(names, results, pooled)),
+                         *(["Engines:\n\n" + "\n".join(f"- {line}" for line in legend)] if legend else [])])
+
+
+def _print(args, names, results, pooled, chosen) -> None:
+    """The tables, and what each engine is (its spec names it in the tables)."""
     if args.markdown:
-        say("\n\n".join([*(markdown(title, _COLS, rows) for title, rows in titled),
-                          *(["Engines:\n\n" + "\n".join(f"- {line}" for line in legend)] if legend else [])]))
+        say(_markdown(names, results, pooled, chosen))
         return
-    emit(False, {}, [table(title, _COLS, rows) for title, rows in titled])
-    for line in legend:
+    emit(False, {}, [table(title, _COLS, rows) for title, rows in _titled(names, results, pooled)])
+    for line in _legend(chosen):
         say(line)
 
 

@@ -16,7 +16,7 @@ from ..files import write_atomically
 from ..lm import text_of
 from ..plots import pyplot, save
 from ..report import emit, json_safe, say, table
-from .. import endtoend, versus
+from .. import endtoend, record, versus
 from . import common
 from .compare import ENGINES, markdown
 
@@ -80,6 +80,8 @@ def add_arguments(p) -> None:
                    help="also run each engine in one layer at a time (one more pass per engine and layer)")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown instead of rich tables")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="also write every number as JSON to the file OUT")
+    p.add_argument("--record", metavar="PAGE.md", help="append the tables to the results page PAGE.md as one dated "
+                   "section with the command, the machine and the commit (created when new; nothing on it changes)")
     p.add_argument("--plot-dir", metavar="DIR", help="write PNGs there (an existing folder; no file is replaced): "
                    "KLD against position, and with --per-layer KLD by layer")
 
@@ -185,7 +187,10 @@ def run(args) -> None:
         text = json.dumps(json_safe(dict(payload, plots=written)), indent=1, allow_nan=False) + "\n"
         write_atomically(args.json_out, lambda f: f.write(text.encode()))
     _print(args, title, tokens.size, runs, layered)
-    for path in [*written, *filter(None, [args.json_out])]:
+    if args.record:
+        tables = "\n\n".join(markdown(t, cols, rows) for t, cols, rows in _tables(title, tokens.size, runs, layered))
+        record.append(args.record, tables + "".join(f"\n\nPlot: `{path}`" for path in written), [r.device for r in runs])
+    for path in [*written, *filter(None, [args.json_out, args.record])]:
         say(f"wrote {path}")
 
 
