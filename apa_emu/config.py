@@ -184,8 +184,8 @@ class Config:
     def seed(cls, **changes) -> "Config":
         """The seed's (APA 0.6.1) arithmetic as far as the spec models it (numerics.md §12): its FP4 MMA
         (``mma="sm120"``, two chained Q MMAs), its FMA sites, interleaved P groups, f16(v/vg), sampled K
-        statistics, voting padding rows, the per-lane pass-2 shift and the direct-store epilogue.
-        What it cannot reproduce is listed in §12 ("seed preset")."""
+        statistics, voting padding rows, the per-lane pass-2 shift, the direct-store epilogue and the
+        GPU's ex2.approx (``exp2="fast"``, §13's models). What it cannot reproduce is listed in §12 ("seed preset")."""
         return dataclasses.replace(cls(**SEED_TOGGLES), **changes)
 
     @classmethod
