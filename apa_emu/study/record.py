@@ -71,7 +71,8 @@ def append(page: str | os.PathLike, body: str, devices=(), when: datetime.dateti
     when = when or datetime.datetime.now(datetime.timezone.utc)
     command = "apa " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     head = page.read_text(encoding="utf-8").rstrip("\n") + "\n\n" if page.exists() else "# Results\n\n"
-    section = (f"## {when:%Y-%m-%d %H:%M} UTC: `{command}`\n\n- Command: `{command}`\n"
+    what = " ".join(sys.argv[1:2]) or "run"
+    section = (f"## {when:%Y-%m-%d %H:%M} UTC: apa {what}\n\n- Command: `{command}`\n"
                f"- Machine: {machine(devices)}\n- Commit: {commit()}\n- Date: {when:%Y-%m-%d %H:%M} UTC\n\n"
                f"{body.strip()}\n")
     return write_atomically(page, lambda f: f.write((head + section).encode()))
