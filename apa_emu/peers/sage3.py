@@ -147,9 +147,10 @@ def preprocess(q, k, t: Toggles):
         np.zeros((q.shape[1], len(groups), q.shape[2]), np.float16)
     qs = sageattn.smooth_k(groups.transpose(1, 0, 2, 3), qm.transpose(1, 0, 2)).transpose(1, 0, 2, 3).reshape(qp.shape)
     group = q.shape[1] // k.shape[1]
-    # ok: §15.2 chooses a binary64 sum (no hardware fixes its order); the FP16/binary32 rounding after it
+    # §15.2 chooses a binary64 sum (no hardware fixes its order); the FP16/binary32 rounding after it
     # removes the order's effect on the last binary64 bits except at exact ties
-    exact = np.einsum("hgd,nhd->hgn", qm.astype(np.float64), np.repeat(ks, group, axis=1).astype(np.float64))
+    exact = np.einsum("hgd,nhd->hgn", qm.astype(np.float64),  # ok: §15.2's chosen binary64 sum
+                      np.repeat(ks, group, axis=1).astype(np.float64))
     delta = exact.astype(np.float16) if t.delta_f16 else exact
     return qs, ks, km, qm, delta.astype(_F32)
 

@@ -116,6 +116,14 @@ def eps(p) -> None:
                    "of the running row sum exceeds ε; < 0 makes every tile exact (default: the config's, 0.005)")
 
 
+def table_outputs(p) -> None:
+    """--markdown, --json and --record: where a command that prints tables (compare, model) also puts them."""
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown instead of rich tables")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="also write every number as JSON to the file OUT")
+    p.add_argument("--record", metavar="PAGE.md", help="append the tables to the results page PAGE.md as one dated "
+                   "section with the command, the machine and the commit (created when new; nothing on it changes)")
+
+
 def selection(p) -> None:
     p.add_argument("--rows", help="query rows: A:B (half-open), a,b,c or one index (default: all)")
     p.add_argument("--heads", help="query heads: A:B (half-open), a,b,c or one index (default: all)")

@@ -66,12 +66,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat", type=common.count, default=1, metavar="N",
                    help="calls of each engine per dump, the fastest one's time reported (give 2 or more on the "
                         "device: the first call compiles the kernels)")
-    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown instead of rich tables")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="also write every number as JSON to the file OUT")
+    common.table_outputs(p)
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of the frontier, 1 − worst cosine against "
                    "cost (time; hot share for APA), one point per engine, pooled over the dumps")
-    p.add_argument("--record", metavar="PAGE.md", help="append the tables to the results page PAGE.md as one dated "
-                   "section with the command, the machine and the commit (created when new; nothing on it changes)")
 
 
 def _note(line: str) -> None:

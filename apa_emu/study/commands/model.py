@@ -78,10 +78,7 @@ def add_arguments(p) -> None:
     common.study_options(p, units=False, json=False, dumps=False)
     p.add_argument("--per-layer", action="store_true",
                    help="also run each engine in one layer at a time (one more pass per engine and layer)")
-    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown instead of rich tables")
-    p.add_argument("--json", dest="json_out", metavar="OUT", help="also write every number as JSON to the file OUT")
-    p.add_argument("--record", metavar="PAGE.md", help="append the tables to the results page PAGE.md as one dated "
-                   "section with the command, the machine and the commit (created when new; nothing on it changes)")
+    common.table_outputs(p)
     p.add_argument("--plot-dir", metavar="DIR", help="write PNGs there (an existing folder; no file is replaced): "
                    "KLD against position, and with --per-layer KLD by layer")
 
