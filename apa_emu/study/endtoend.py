@@ -96,11 +96,34 @@ def fp16(x, name: str, layer: int) -> np.ndarray:
     return np.ascontiguousarray(x.astype(np.float16))
 
 
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax of float64 logits."""
-    top = z.max(axis=1, keepdims=True)
-    shifted = z - top
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+class _Rows:
+    """Row reductions and elementwise functions of NumPy arrays or torch tensors, so the measures of a
+    torch model run where its logits are (a 32768 x 262144 float64 projection is 69 GB: on the host,
+    NumPy's single-threaded exp would take minutes per run)."""
+
+    def __init__(self, z):
+        self.torch = hasattr(z, "detach")
+        if self.torch:
+            import torch
+
+            self.xp, self.device = torch, z.device
+        else:
+            self.xp, self.device = np, None
+
+    def reduce(self, z, op: str, keep: bool = False):
+        if self.torch:
+            return getattr(z, {"max": "amax"}.get(op, op))(dim=1, keepdim=keep)
+        return getattr(z, op)(axis=1, keepdims=keep)
+
+    def index(self, a: np.ndarray):
+        return self.xp.as_tensor(a, device=self.device) if self.torch else a
+
+
+def log_softmax(z, rows: _Rows | None = None):
+    """Row-wise log-softmax of float64 logits (NumPy or torch)."""
+    rows = rows or _Rows(z)
+    shifted = z - rows.reduce(z, "max", keep=True)
+    return shifted - rows.xp.log(rows.reduce(rows.xp.exp(shifted), "sum", keep=True))
 
 
 @dataclass
@@ -123,8 +146,9 @@ class Positions:
         return np.arange(1, self.kld.size + 1)
 
 
-def as_f64(z) -> np.ndarray:
-    return np.asarray(host(z), dtype=np.float64)
+def as_f64(z):
+    """Logits as float64 where they are: a torch tensor stays on its device."""
+    return z.double() if hasattr(z, "detach") else np.asarray(z, dtype=np.float64)
 
 
 def positions(model, tokens: np.ndarray, base_hidden, hidden) -> Positions:
@@ -140,14 +164,17 @@ def positions(model, tokens: np.ndarray, base_hidden, hidden) -> Positions:
     return Positions(*(np.concatenate(a) for a in zip(*parts)))
 
 
-def _block(z0: np.ndarray, z1: np.ndarray, ref: np.ndarray) -> tuple:
-    finite = np.isfinite(z1).all(axis=1)
-    z1 = np.where(finite[:, None], z1, z0)  # a non-finite row is counted, never averaged in
-    lp0, lp1 = log_softmax(z0), log_softmax(z1)
-    kld = (np.exp(lp0) * (lp0 - lp1)).sum(axis=1)
-    r = np.arange(ref.size)
+def _block(z0, z1, ref: np.ndarray) -> tuple:
+    rows = _Rows(z0)
+    xp = rows.xp
+    finite = rows.reduce(xp.isfinite(z1), "all")
+    z1 = xp.where(finite[:, None], z1, z0)  # a non-finite row is counted, never averaged in
+    lp0, lp1 = log_softmax(z0, rows), log_softmax(z1, rows)
+    kld = rows.reduce(xp.exp(lp0) * (lp0 - lp1), "sum")
+    r, ref = rows.index(np.arange(ref.size)), rows.index(ref)
     ref0, ref1 = lp0[r, ref], lp1[r, ref]
-    return kld, z0.argmax(axis=1) == z1.argmax(axis=1), np.exp(ref1) - np.exp(ref0), -ref0, -ref1, finite
+    same = rows.reduce(z0, "argmax") == rows.reduce(z1, "argmax")
+    return tuple(host(a) for a in (kld, same, xp.exp(ref1) - xp.exp(ref0), -ref0, -ref1, finite))
 
 
 def summary(p: Positions, first: int = 1, last: float = math.inf) -> dict:

@@ -128,6 +128,20 @@ def test_a_nonfinite_logit_is_counted_never_averaged():
     np.testing.assert_allclose(row["kld_mean"], np.sum(np.exp(lp0) * (lp0 - lp1)), rtol=1e-12)
 
 
+def test_the_measures_of_torch_logits_are_numpys():
+    """A torch model's logits are measured where they lie (torch.float64); the numbers are NumPy's."""
+    rng = np.random.default_rng(5)
+    z0, z1 = rng.normal(0, 4, (2, 6, 50))
+    z1[3, 7] = np.nan
+    ref = rng.integers(0, 50, 6)
+    want = endtoend._block(z0, z1, ref)
+    got = endtoend._block(torch.from_numpy(z0), torch.from_numpy(z1), ref)
+    assert not want[-1][3] and want[-1].sum() == 5  # the non-finite row was met
+    for w, g in zip(want, got):
+        assert isinstance(g, np.ndarray) and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-15)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     for name in ("gguf", "tokenizers", "rich"):
