@@ -271,12 +271,17 @@ def examples(n: int, seed: int, strategy, body):
     return failures[-1] if failures else None
 
 
+# Config fields whose drawn values apa check --hypothesis counts, so a run shows which modes it met
+TALLIED = ("exp2", "hot_test", "p2_accum")
+
+
 def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto", schedules=None,
-                    max_rel_l2=MAX_REL_L2, progress=None):
+                    max_rel_l2=MAX_REL_L2, progress=None, tally=None):
     """``engine`` against the emulator on ``n`` problems and configs drawn by Hypothesis from ``seed``:
     the problems the engine can run (its features and head dims), every config it does not lack, or
     the one it claims. A failure is shrunk to a minimal failing problem. Returns the Divergence (None),
-    the problems checked up to it, and in tolerance mode the worst problem's report."""
+    the problems checked up to it, and in tolerance mode the worst problem's report. ``tally`` (a
+    Counter) counts the (field, value) pairs of ``TALLIED`` among the configs checked."""
     try:
         from hypothesis import assume
         from hypothesis import strategies as st
@@ -293,6 +298,8 @@ def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto"
         assume(engine.lacks(cfg, problem.d) is None)
         if not failed:
             done[0] += 1
+            if tally is not None:
+                tally.update((k, getattr(cfg, k)) for k in TALLIED)
         args, kwargs = problem.arguments()
         for words, options in launches(engine, schedules):
             try:

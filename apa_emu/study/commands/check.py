@@ -3,6 +3,8 @@ generated problems, or on one replayed problem; the comparison itself is the lib
 
 from __future__ import annotations
 
+from collections import Counter
+
 import argparse
 
 import numpy as np
@@ -137,14 +139,22 @@ def _generated(args):
                                                    max_rel_l2=args.max_rel_l2, progress=prog)
         return (div, f"{done} generated problems ({resolve_mode(engine, args.mode)}, --seed {seed})", None, engine,
                 (done - 1 if div else done, "generated problems"))
+    tally = Counter()
     with common.progress(True, "check, generated problems", engine.wait) as prog:
         div, done, report = check_generated(engine, args.engine, args.hypothesis, seed, mode=args.mode,
-                                            schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog)
+                                            schedules=_schedules(args), max_rel_l2=args.max_rel_l2, progress=prog,
+                                            tally=tally)
     what = f"problems under the config it claims, {' '.join(engine.config)}," if engine.config else \
         "problems and configs"
     passed = done - 1 if div else done
-    return (div, f"{done} generated {what} (--seed {seed}){_schedule_words(engine, args)}", report, engine,
-            (passed, "generated problems"))
+    return (div, f"{done} generated {what} (--seed {seed}; {_drawn(tally)}){_schedule_words(engine, args)}", report,
+            engine, (passed, "generated problems"))
+
+
+def _drawn(tally: Counter) -> str:
+    """The drawn modes, e.g. "exp2 soft 48 / fast 24, hot_test mass 36 / budget 36"."""
+    fields = dict.fromkeys(k for k, _ in tally)
+    return ", ".join(f"{k} " + " / ".join(f"{v} {n}" for (f, v), n in tally.items() if f == k) for k in fields)
 
 
 def _dumps(args):
