@@ -3,9 +3,8 @@ generated problems, or on one replayed problem; the comparison itself is the lib
 
 from __future__ import annotations
 
-from collections import Counter
-
 import argparse
+from collections import Counter
 
 import numpy as np
 
@@ -153,8 +152,10 @@ def _generated(args):
 
 def _drawn(tally: Counter) -> str:
     """The drawn modes, e.g. "exp2 soft 48 / fast 24, hot_test mass 36 / budget 36"."""
-    fields = dict.fromkeys(k for k, _ in tally)
-    return ", ".join(f"{k} " + " / ".join(f"{v} {n}" for (f, v), n in tally.items() if f == k) for k in fields)
+    by_field: dict[str, list[str]] = {}
+    for (field, value), n in tally.items():
+        by_field.setdefault(field, []).append(f"{value} {n}")
+    return ", ".join(f"{field} " + " / ".join(counts) for field, counts in by_field.items())
 
 
 def _dumps(args):

@@ -185,7 +185,7 @@ def run(args) -> None:
         write_atomically(args.json_out, lambda f: f.write(text.encode()))
     _print(args, title, tokens.size, runs, layered)
     if args.record:
-        tables = "\n\n".join(markdown(t, cols, rows) for t, cols, rows in _tables(title, tokens.size, runs, layered))
+        tables = _markdown(_tables(title, tokens.size, runs, layered))
         record.append(args.record, tables + "".join(f"\n\nPlot: `{path}`" for path in written), [r.device for r in runs])
     for path in [*written, *filter(None, [args.json_out, args.record])]:
         say(f"wrote {path}")
@@ -226,10 +226,14 @@ def _tables(title: str, n: int, runs, layered) -> list[tuple[str, list, list]]:
     return out
 
 
+def _markdown(tables) -> str:
+    return "\n\n".join(markdown(t, cols, rows) for t, cols, rows in tables)
+
+
 def _print(args, title: str, n: int, runs, layered) -> None:
     tables = _tables(title, n, runs, layered)
     if args.markdown:
-        say("\n\n".join(markdown(t, cols, rows) for t, cols, rows in tables))
+        say(_markdown(tables))
     else:
         emit(False, {}, [table(t, cols, rows) for t, cols, rows in tables])
     for r in runs:
