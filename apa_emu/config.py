@@ -16,6 +16,7 @@ CHOICES = {
     "block_scale": ("lsq", "nearest"),
     "tile_order": ("diagonal", "ascending"),
     "p2_accum": ("f16", "f32"),
+    "p2_scores": ("f16", "f32"),
     "mma": ("sm90", "sm120", "exact"),
     "p_groups": ("consecutive", "interleaved"),
     "exp2": ("soft", "fast"),
@@ -61,7 +62,8 @@ class Config:
     chunks summed in the seed's binary32 order, with its overflow redo (§5.10, §12 #5); ``pad_vote`` lets
     padding rows vote with the Q of the last row (§6.2, §12 #7); ``p2_shift`` "lanes" forms the pass-2
     row shift per lane as the seed does (§5.3, §12 #9); ``direct_store`` stores a warp with no hot tile
-    straight from pass 1 (§9.5, §12 #11).
+    straight from pass 1 (§9.5, §12 #11). ``p2_scores`` and ``p2_accum`` "f32" accumulate pass 2's scores
+    (§8.1) and output (§8.5) in binary32 instead of FP16.
     """
 
     eps: float = 0.005
@@ -77,6 +79,7 @@ class Config:
     delta: float = 32.0
     tau: int = 4
     p2_accum: str = "f16"
+    p2_scores: str = "f16"
     mma: str = "sm90"
     p_groups: str = "consecutive"
     exp2: str = "soft"
@@ -140,12 +143,16 @@ class Config:
     def cert_consts(self, d: int) -> constants.CertConsts:
         """§9.7 constants (binary32), shared by the emulator and the kernel's parameters."""
         p2_out = "exact" if self.mma == "exact" else self.p2_accum
-        return constants.cert_consts(d, p2_out, self.exp2 == "fast", self.delta)
+        return constants.cert_consts(d, p2_out, self._f16_scores(), self.exp2 == "fast", self.delta)
 
     def est_consts(self, d: int) -> constants.EstConsts:
         """§9.8 constants (binary32), shared by the emulator and the kernel's parameters."""
         p2_out = "exact" if self.mma == "exact" else self.p2_accum
-        return constants.est_consts(d, p2_out, self.quant_p)
+        return constants.est_consts(d, p2_out, self._f16_scores(), self.quant_p)
+
+    def _f16_scores(self) -> bool:
+        """§8.1: pass 2's scores in FP16 accumulation (binary32 under ``p2_scores="f32"`` or ``exact``)."""
+        return self.mma != "exact" and self.p2_scores == "f16"
 
     # Each toggle a pass reads, lowered here once: the emulator (its prep, P1Mode, P2Mode) and the
     # kernel's parameter structs (apa_gpu/plan.py) take the same values by the same names.
@@ -176,9 +183,9 @@ class Config:
         return constants.Pass2Flags(all_hot=self.eps < 0, fma=self.fma, direct=self.pass1_flags().direct)
 
     def model_flags(self) -> constants.ModelFlags:
-        """The MMA (§3), exp2 (§2) and pass-2 accumulator (§8.5) models, which no kernel struct carries."""
+        """The MMA (§3), exp2 (§2) and pass-2 accumulator (§8.1, §8.5) models, which no kernel struct carries."""
         return constants.ModelFlags(model=constants.MODELS[self.mma], soft=self.exp2 == "soft",
-                                    f32_out=self.p2_accum == "f32")
+                                    f32_out=self.p2_accum == "f32", f32_scores=self.p2_scores == "f32")
 
     @classmethod
     def seed(cls, **changes) -> "Config":

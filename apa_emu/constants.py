@@ -60,20 +60,21 @@ class EstConsts(NamedTuple):
     z: np.float32  # standard deviations: 2
 
 
-def est_consts(d: int, p2_out: str, quant_p: bool) -> EstConsts:
-    """§9.8: p2_out is the pass-2 output format, "f16", "f32" or "exact"."""
+def est_consts(d: int, p2_out: str, f16_scores: bool, quant_p: bool) -> EstConsts:
+    """§9.8: p2_out is the pass-2 output format, "f16", "f32" or "exact"; f16_scores: §8.1's FP16 chain."""
     exact = p2_out == "exact"
-    return EstConsts(F32(2.0**-7 if quant_p else 2.0**-25), F32(d // 16 * 2.0**(-50 if exact else -26)),
+    return EstConsts(F32(2.0**-7 if quant_p else 2.0**-25), F32(d // 16 * 2.0**(-26 if f16_scores else -50)),
                      F32(0.0 if exact else 2.0**-25), F32(2.0**(-21 if p2_out == "f16" else -47)), F32(2))
 
 
 SQRT_D_UP = {64: 8, 128: 12, 256: 16}
 
 
-def cert_consts(d: int, p2_out: str, fast: bool, delta: float) -> CertConsts:
-    """§9.7: p2_out is the pass-2 output format, "f16", "f32" or "exact"."""
+def cert_consts(d: int, p2_out: str, f16_scores: bool, fast: bool, delta: float) -> CertConsts:
+    """§9.7: p2_out is the pass-2 output format, "f16", "f32" or "exact"; f16_scores: §8.1's FP16 chain."""
     c2 = {"f16": 2.0**-7, "f32": 2.0**-9, "exact": 2.0**-16}[p2_out]
-    return CertConsts(F32(SQRT_D_UP[d]), F32(d // 16 * (2.0**-11 + 2.0**-20)), F32(c2),
+    cs = d // 16 * ((2.0**-11 if f16_scores else 0.0) + 2.0**-20)
+    return CertConsts(F32(SQRT_D_UP[d]), F32(cs), F32(c2),
                       F32(2.0**-6 if fast else 0.0), F32(delta))
 
 
@@ -141,12 +142,13 @@ MODELS = {"sm90": SM90, "sm120": SM120, "exact": EXACT}
 
 class ModelFlags(NamedTuple):
     """The arithmetic models no kernel struct carries (Config.model_flags): the MMA, which only the
-    emulator varies (apa_gpu runs SM90 alone), and the two the kernel is built with (apa_gpu/build.py
+    emulator varies (apa_gpu runs SM90 alone), and the three the kernel is built with (apa_gpu/build.py
     Variant). P1Mode and P2Mode take them by name too (``flags.lower(P1Mode, model_flags, ...)``)."""
 
     model: int  # §3: SM90, SM120 (FP4 block-scaled, its codes kept) or EXACT (binary32 throughout)
     soft: bool  # §2: exp2s, else the fast mode (Variant exp2_fast)
     f32_out: bool  # §8.5: pass 2's O in binary32 (p2_accum "f32", Variant p2_f32), else FP16
+    f32_scores: bool  # §8.1: pass 2's scores in binary32 (p2_scores "f32", Variant p2_s32), else FP16
 
 
 class Flags(NamedTuple):

@@ -30,6 +30,7 @@ class P2Rows(NamedTuple):
 class P2Mode(NamedTuple):
     exact: bool  # `exact` model: binary32 everywhere (§3.3)
     f32_out: bool  # p2_accum = "f32" (§8.5)
+    f32_scores: bool  # p2_scores = "f32" (§8.1)
     ex2: np.ndarray  # f32: §13.2's MUFU.EX2 table in the fast mode (§2), empty for exp2s
     qmul: np.float32  # §5.3
     fma: bool  # the seed's FMA sites (§1.8): x = fma(float(S), qmul, −sh)
@@ -50,11 +51,13 @@ class P2Out(NamedTuple):
 
 @njit(cache=True)
 def p2_scores(mode, q16, k16, t, zero_s, s, rows, x):
-    """§8.1: S = q·Kᵀ of tile t in FP16 accumulation (binary32 under `exact`), then
+    """§8.1: S = q·Kᵀ of tile t in FP16 or binary32 accumulation (binary32 under `exact`), then
     x = (float(S) ⊗ qmul) ⊖ sh, −inf outside the row's keys lo..lim."""
     k0 = t * TILE
     if mode.exact:
         mma_exact(q16, k16[k0:k0 + TILE], zero_s, s)
+    elif mode.f32_scores:
+        mma_sm90_f32(q16, k16[k0:k0 + TILE], zero_s, s)
     else:
         mma_sm90_f16(q16, k16[k0:k0 + TILE], zero_s, s)
     for r in range(ROWS):

@@ -105,6 +105,7 @@ def configs(draw):
         delta=draw(st.sampled_from([32.0, 32.0, 0.0, 8.0, 1.5])),
         tau=draw(st.integers(0, 8) | st.just(4)),
         p2_accum=draw(st.sampled_from(["f16", "f16", "f32"])),
+        p2_scores=draw(st.sampled_from(["f16", "f16", "f32"])),
         p_groups=draw(st.sampled_from(["consecutive", "consecutive", "interleaved"])),
         scale=draw(st.sampled_from([None, None, None, 0.3, 1.0])),
         hot_test=draw(st.sampled_from(["mass", "mass", "output", "budget"])),

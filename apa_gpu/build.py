@@ -83,6 +83,7 @@ class Variant:
     d: int = 128
     trace: bool = False
     p2_f32: bool = False
+    p2_s32: bool = False
     exp2_fast: bool = False
 
     def defines(self) -> tuple[str, ...]:
@@ -90,12 +91,13 @@ class Variant:
             f"-DAPA_D={self.d}",
             f"-DAPA_TRACE={int(self.trace)}",
             f"-DAPA_P2_F32={int(self.p2_f32)}",
+            f"-DAPA_P2_S32={int(self.p2_s32)}",
             f"-DAPA_EXP2_FAST={int(self.exp2_fast)}",
         )
 
     @property
     def name(self) -> str:
-        return f"apa_d{self.d}_t{int(self.trace)}_p{int(self.p2_f32)}_e{int(self.exp2_fast)}"
+        return f"apa_d{self.d}_t{int(self.trace)}_p{int(self.p2_f32)}_s{int(self.p2_s32)}_e{int(self.exp2_fast)}"
 
 
 PROBE = "probe"  # cuda/probe.cu: MMA and primitive probes for the tests
@@ -104,10 +106,11 @@ SFU = "sfu"  # cuda/sfu.cu: the special-function instructions (apa_gpu/sfu.py); 
 
 def all_variants() -> list[Variant]:
     return [
-        Variant(d, trace, p2, fast)
+        Variant(d, trace, p2, s32, fast)
         for d in SUPPORTED_D
         for trace in (False, True)
         for p2 in (False, True)
+        for s32 in (False, True)
         for fast in (False, True)
     ]
 

@@ -17,6 +17,9 @@
 #ifndef APA_P2_F32
 #define APA_P2_F32 0
 #endif
+#ifndef APA_P2_S32
+#define APA_P2_S32 0
+#endif
 
 // The kernels' dynamic shared memory (the simulator hands out a per-CTA host buffer instead).
 #ifdef APA_SIM

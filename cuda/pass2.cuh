@@ -72,7 +72,7 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
 }
 
 // §8.1 scores of tile t (apa_emu/pass2.py p2_scores): S = chain over channels from C = +0, FP16
-// accumulation, then x = (float(S) ⊗ qmul) ⊖ sh; FUSED: x at the seed's FMA site (§1.8). ldmatrix row
+// accumulation (APA_P2_S32: binary32), then x = (float(S) ⊗ qmul) ⊖ sh; FUSED: x at the seed's FMA site (§1.8). ldmatrix row
 // addresses in the K̂ image: sw128_half(r, c, TILE) with the lane's r and c split into the lane's part
 // and the k-step's; r mod 8 = lane mod 8 in every matrix, so the swizzle is an XOR of the k-step's
 // chunk bits with one per-lane constant.
@@ -84,25 +84,41 @@ __device__ __forceinline__ void p2_scores(const uint32_t (&qa)[D / 16][4], const
     const int l7 = lane & 7;
     const uint16_t* k_rows = Ks + 64 * (8 * (lane >> 4) + l7);          // r = 16 np + 8 (lane >> 4) + l7
     const int k_chunk = ((lane >> 3) & 1) ^ l7;                          // c = 16 ks + 8 ((lane >> 3) & 1)
-    uint32_t s16[8][2];
+#if APA_P2_S32
+    float s[8][4];  // the m16n8 accumulator fragment: lo e0, lo e1, hi e0, hi e1
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) s16[nt][0] = s16[nt][1] = 0u;
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#else
+    uint32_t s[8][2];  // f16x2 pairs: lo, hi
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = 0u;
+#endif
 #pragma unroll
     for (int ks = 0; ks < NKS; ++ks) {
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
             uint32_t kb[4];
             ldsm_x4(kb, k_rows + 1024 * np + 4096 * (ks >> 2) + ((((ks & 3) << 1) ^ k_chunk) << 3));
-            mma_f16_acc(s16[2 * np], qa[ks], kb[0], kb[1]);
-            mma_f16_acc(s16[2 * np + 1], qa[ks], kb[2], kb[3]);
+#if APA_P2_S32
+            mma_f32_acc(s[2 * np], qa[ks], kb[0], kb[1]);
+            mma_f32_acc(s[2 * np + 1], qa[ks], kb[2], kb[3]);
+#else
+            mma_f16_acc(s[2 * np], qa[ks], kb[0], kb[1]);
+            mma_f16_acc(s[2 * np + 1], qa[ks], kb[2], kb[3]);
+#endif
         }
     }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {  // x[nt]: lo e0, lo e1, hi e0, hi e1
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            x[nt][e] = madd(f32h(e ? h2_hi(s16[nt][0]) : h2_lo(s16[nt][0])), qmul, -sh_lo, FUSED);
-            x[nt][2 + e] = madd(f32h(e ? h2_hi(s16[nt][1]) : h2_lo(s16[nt][1])), qmul, -sh_hi, FUSED);
+#if APA_P2_S32
+            x[nt][e] = madd(s[nt][e], qmul, -sh_lo, FUSED);
+            x[nt][2 + e] = madd(s[nt][2 + e], qmul, -sh_hi, FUSED);
+#else
+            x[nt][e] = madd(f32h(e ? h2_hi(s[nt][0]) : h2_lo(s[nt][0])), qmul, -sh_lo, FUSED);
+            x[nt][2 + e] = madd(f32h(e ? h2_hi(s[nt][1]) : h2_lo(s[nt][1])), qmul, -sh_hi, FUSED);
+#endif
         }
     }
 }

@@ -272,7 +272,7 @@ def examples(n: int, seed: int, strategy, body):
 
 
 # Config fields whose drawn values apa check --hypothesis counts, so a run shows which modes it met
-TALLIED = ("exp2", "hot_test", "p2_accum")
+TALLIED = ("exp2", "hot_test", "p2_accum", "p2_scores")
 
 
 def check_generated(engine: Engine, spec: str, n: int, seed: int, *, mode="auto", schedules=None,

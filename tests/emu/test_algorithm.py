@@ -139,6 +139,33 @@ def test_negative_eps_is_pass2_alone():
     prop()
 
 
+def test_binary32_scores_leave_only_the_fp16_roundings():
+    """§8.1 ``p2_scores="f32"`` against float64 attention. With every tile exact and binary32 O, what
+    is left of pass 2 is P16 = f16(p) and the FP16 output, each 2⁻¹¹ relative: every pair stays within
+    2⁻¹⁰. Raw scores of 4–9 standard deviations times 8 (q, k of gain 2–3, d = 64) put the FP16 score
+    chain's steps at ulps of 2⁻⁵–2⁻³, which moves p by up to 1 %: the same problems under FP16 scores
+    must exceed 2⁻¹⁰ somewhere, or the case that tells them apart did not happen."""
+    seen = Seen()
+
+    @settings(deadline=None, max_examples=examples(6))
+    @given(st.integers(0, 2**16), st.sampled_from([2.0, 3.0]))
+    def prop(seed, gain):
+        rng = np.random.default_rng(seed)
+        q, k = ((gain * rng.standard_normal(shape)).astype(np.float16) for shape in ((32, 2, 64), (256, 1, 64)))
+        v = rng.standard_normal((256, 1, 64)).astype(np.float16)
+        ref = reference(q, k, v, 224)
+
+        def rel(cfg):
+            out = attention(q, k, v, 224, cfg).out.astype(np.float64)
+            return np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+
+        assert rel(Config(eps=-1.0, p2_accum="f32", p2_scores="f32")).max() <= 2.0**-10
+        seen.update(f16_scores_past=int(rel(Config(eps=-1.0, p2_accum="f32")).max() > 2.0**-10))
+
+    prop()
+    seen.require("f16_scores_past")
+
+
 def test_merge_of_two_frames_is_one_softmax():
     """§9: the emulator's merge of the states of two disjoint key sets, each in its own frame (m1 and
     m2 up to 40 apart, either larger), equals float64 softmax over all keys to binary32 accuracy

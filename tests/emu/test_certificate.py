@@ -15,7 +15,7 @@ from apa_emu import Config, attention
 from apa_emu.constants import pass1_consts
 from apa_emu.formats import ue4m3_value
 from apa_emu.geometry import ROWS, Shape
-from apa_emu.mma import mma_sm90_f16
+from apa_emu.mma import mma_sm90_f16, mma_sm90_f32
 from apa_emu.fpmath import ex2_tables
 from apa_emu.pass1 import P1Mode, p1_pscale
 from apa_emu.merge import score_bounds
@@ -26,7 +26,7 @@ from apa_emu.reference import reference
 F32 = np.float32
 
 CONFIGS = [
-    Config(), Config(eps=-1.0), Config(eps=1e9), Config(eps=0.1, p2_accum="f32"), Config(eps=0.02, quant_k=False),
+    Config(), Config(eps=-1.0), Config(eps=1e9), Config(eps=0.1, p2_accum="f32"), Config(eps=0.1, p2_scores="f32"), Config(eps=0.02, quant_k=False),
     Config(eps=0.05, mma="exact"), Config(eps=0.05, mma="sm120"), Config(eps=0.05, p_scale="pow2", tau=0),
     Config(eps=0.05, p_groups="interleaved", q_terms=1), Config(eps=0.05, quant_p=False, q_format="fp8"),
     Config(eps=0.05, exp2="fast"), Config(eps=0.3, delta=0.0, tile_order="ascending", block_scale="nearest"),
@@ -112,6 +112,7 @@ def _check_score_bounds(q, k, v, off, cfg):
     lim = shape.lim(np.arange(shape.R))
     visible = np.arange(S)[None, :] <= lim[:, None]
     scale = float(cfg.softmax_scale(d)) * np.log2(np.e)
+    chain = mma_sm90_f32 if cfg.p2_scores == "f32" else mma_sm90_f16  # §8.1
     worst = 0.0
     for hk in range(Hkv):
         q64 = p.q16[hk].astype(np.float64)
@@ -124,7 +125,7 @@ def _check_score_bounds(q, k, v, off, cfg):
                 qq = np.zeros((ROWS, d), F32)
                 qq[:min(ROWS, shape.R - r0)] = p.q16[hk, r0:r0 + ROWS]
                 out = np.zeros((ROWS, 64), F32)
-                mma_sm90_f16(qq, p.k16[hk, t0:t0 + 64], np.zeros((ROWS, 64), F32), out)
+                chain(qq, p.k16[hk, t0:t0 + 64], np.zeros((ROWS, 64), F32), out)
                 s16[r0:r0 + ROWS, t0:t0 + 64] = out[:min(ROWS, shape.R - r0), :min(64, S - t0)]
         x = (s16 * p.qmul - p.sh[hk][:, None]).astype(np.float64)
         d1, d2 = score_bounds(p.cq[hk], p.qstat[hk], p.kvstat[hk], p.qmul, F32(S // 64 + 1), F32(S // 64 + 1),
@@ -138,10 +139,11 @@ def _check_score_bounds(q, k, v, off, cfg):
 
 
 @settings(deadline=None, max_examples=examples(10))
-@given(problems(max_keys=300), st.sampled_from([Config(), Config(q_terms=1), Config(quant_k=False)]))
+@given(problems(max_keys=300), st.sampled_from([Config(), Config(q_terms=1), Config(quant_k=False),
+                                                  Config(p2_scores="f32")]))
 def test_score_bounds_hold_for_every_key(problem, cfg):
     """§9.7 steps 3–4 against float64: Δ1 ≥ |σ − c_q·Q̂·K̂| (the FP4 score of pass 1) and Δ2 ≥ |σ − x|
-    (pass 2's FP16-accumulated score) for every visible key, σ the exact log₂ score relative to
+    (pass 2's FP16- or binary32-accumulated score) for every visible key, σ the exact log₂ score relative to
     q·kmean. (Not tight: Cauchy–Schwarz assumes the quantization errors align with q; with outlier
     channels Δ1 can exceed the worst key's error 60-fold.)"""
     _check_score_bounds(*problem, cfg)
@@ -159,6 +161,8 @@ def test_fp16_score_chain_worst_case():
     q = np.ones((16, 1, d), np.float16)
     v = np.zeros_like(k)
     assert _check_score_bounds(q, k, v, S - 16, Config()) > 1
+    # binary32 scores (§8.1 p2_scores) on the same keys: the chain term drops to (d/16)·2⁻²⁰, and Δ2 holds
+    assert _check_score_bounds(q, k, v, S - 16, Config(p2_scores="f32")) < 2.0**-8
 
 
 def test_hidden_mass_is_covered():

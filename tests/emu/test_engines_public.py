@@ -297,7 +297,7 @@ def test_fakequant_on_generated_problems(capsys, no_files):
     assert head.endswith("within relative L2 1e+06 of the emulator on 2 generated problems and configs (--seed 2")
     for field in drawn.split(", "):  # each tallied field's values count the 2 configs drawn
         name, *counts = field.replace(" / ", " ").split(" ")
-        assert name in ("exp2", "hot_test", "p2_accum") and sum(map(int, counts[1::2])) == 2
+        assert name in ("exp2", "hot_test", "p2_accum", "p2_scores") and sum(map(int, counts[1::2])) == 2
     assert out[1].startswith("  the worst problem: ") and "Config(" in out[1]
     assert main(["check", "--engine", FAKEQUANT, "--hypothesis", "2", "--seed", "2", "--max-rel-l2", "1e-3"]) == 1
     lines = capsys.readouterr().out.splitlines()

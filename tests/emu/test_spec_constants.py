@@ -63,17 +63,19 @@ SPEC_C2 = {"f16": 2.0**-7, "f32": 2.0**-9, "exact": 2.0**-16}
 
 
 @pytest.mark.parametrize("d", (64, 128, 256))
-@pytest.mark.parametrize("cfg,p2_out,fast", [
-    (Config(), "f16", False),
-    (Config(p2_accum="f32"), "f32", False),
-    (Config(mma="exact"), "exact", False),
-    (Config(exp2="fast"), "f16", True),
-    (Config(p2_accum="f32", exp2="fast", delta=3.0), "f32", True),
-], ids=["f16", "f32", "exact", "f16-fast", "f32-fast-delta3"])
-def test_certificate_constants_follow_the_table_of_section_9_7(d, cfg, p2_out, fast):
+@pytest.mark.parametrize("cfg,p2_out,fast,f16_scores", [
+    (Config(), "f16", False, True),
+    (Config(p2_accum="f32"), "f32", False, True),
+    (Config(p2_scores="f32"), "f16", False, False),
+    (Config(p2_scores="f32", p2_accum="f32"), "f32", False, False),
+    (Config(mma="exact"), "exact", False, False),
+    (Config(exp2="fast"), "f16", True, True),
+    (Config(p2_accum="f32", exp2="fast", delta=3.0), "f32", True, True),
+], ids=["f16", "f32", "s32", "s32-f32", "exact", "f16-fast", "f32-fast-delta3"])
+def test_certificate_constants_follow_the_table_of_section_9_7(d, cfg, p2_out, fast, f16_scores):
     c = cfg.cert_consts(d)
     assert SPEC_SD[d] >= math.sqrt(d) and c.sd == F32(SPEC_SD[d])
-    assert c.cs == f32(Fraction(d, 16) * (Fraction(1, 2**11) + Fraction(1, 2**20)))
+    assert c.cs == f32(Fraction(d, 16) * ((Fraction(1, 2**11) if f16_scores else 0) + Fraction(1, 2**20)))
     assert c.c2 == F32(SPEC_C2[p2_out]), f"C2 of a {p2_out} pass-2 output"
     assert c.fast == F32(2.0**-6 if fast else 0.0)
     assert c.delta == F32(cfg.delta)
@@ -109,17 +111,20 @@ def test_key_scale_counts_the_key_mean_with_a_quiet_block():
 
 @pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("quant_p", (True, False))
-@pytest.mark.parametrize("cfg,p2_out", [(Config(), "f16"), (Config(p2_accum="f32"), "f32"), (Config(mma="exact"), "exact"),
-                                        (Config(mma="exact", p2_accum="f32"), "exact")], ids=["f16", "f32", "exact",
-                                                                                             "exact-f32"])
-def test_estimate_constants_follow_the_table_of_section_9_8(d, quant_p, cfg, p2_out):
-    """§9.8's table by hand, exact fractions: ρ by quant_p, C_S and C_P by the model, C_A by the pass-2
-    output format (2⁻²¹ FP16 O, 2⁻⁴⁷ binary32 and exact O), Z = 2. The emulator and the kernel's
-    Pass2Args take the same EstConsts, so no bitwise cross-check can see a wrong entry."""
+@pytest.mark.parametrize("cfg,p2_out,f16_scores", [
+    (Config(), "f16", True), (Config(p2_accum="f32"), "f32", True), (Config(p2_scores="f32"), "f16", False),
+    (Config(mma="exact"), "exact", False), (Config(mma="exact", p2_accum="f32"), "exact", False),
+    (Config(mma="exact", p2_scores="f32"), "exact", False)],
+    ids=["f16", "f32", "s32", "exact", "exact-f32", "exact-s32"])
+def test_estimate_constants_follow_the_table_of_section_9_8(d, quant_p, cfg, p2_out, f16_scores):
+    """§9.8's table by hand, exact fractions: ρ by quant_p, C_S by the score chain's format (2⁻²⁶ FP16,
+    2⁻⁵⁰ binary32 and exact), C_P by the model, C_A by the pass-2 output format (2⁻²¹ FP16 O, 2⁻⁴⁷
+    binary32 and exact O), Z = 2. The emulator and the kernel's Pass2Args take the same EstConsts, so no
+    bitwise cross-check can see a wrong entry."""
     c = cfg.replace(quant_p=quant_p).est_consts(d)
     exact = p2_out == "exact"
     assert c.rho == f32(Fraction(1, 2**7) if quant_p else Fraction(1, 2**25))
-    assert c.cs == f32(Fraction(d, 16) * Fraction(1, 2**50 if exact else 2**26))
+    assert c.cs == f32(Fraction(d, 16) * Fraction(1, 2**26 if f16_scores else 2**50))
     assert c.cp == f32(Fraction(0) if exact else Fraction(1, 2**25))
     assert c.ca == f32(Fraction(1, 2**21) if p2_out == "f16" else Fraction(1, 2**47)), f"C_A of a {p2_out} output"
     assert c.z == F32(2)

@@ -35,7 +35,7 @@ def _needs_nvcc():
 
 
 # A representative pair in the default run; every variant under -m slow.
-QUICK = [build.Variant(d=128, trace=True), build.Variant(d=64, p2_f32=True)]
+QUICK = [build.Variant(d=128, trace=True), build.Variant(d=64, p2_f32=True, p2_s32=True)]
 
 
 @pytest.mark.parametrize("variant", [build.PROBE, *QUICK], ids=lambda v: getattr(v, "name", str(v)))

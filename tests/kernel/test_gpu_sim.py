@@ -123,6 +123,11 @@ CASES = [
     case("1-sink", "run(1, 21, 3, 1, 150, 64, 129, Config(), sink=True)"),
     case("2-ascending-pure-fp4", "run(2, 9, 4, 2, 100, 64, 91, Config(eps=1e9, tile_order='ascending'))", NO_HOT),
     case("3-all-exact-f32", "run(3, 12, 2, 1, 140, 64, 200, Config(eps=-1.0, p2_accum='f32'))"),
+    # binary32 scores (§8.1) at raw scores of tens, where FP16 steps round: alone, and with binary32 O at d = 256
+    case("3s-scores-f32", "run(103, 21, 3, 1, 400, 64, 379, Config(eps=0.1, p2_scores='f32'), sink=True, scale=2.0)",
+         MIXED),
+    case("3t-scores-f32-d256", "run(104, 12, 2, 1, 140, 256, 200, Config(eps=-1.0, p2_scores='f32', p2_accum='f32',"
+                               " fma=True), scale=2.0)"),
     case("4-batch-toggles", "run(4, 10, 2, 2, 90, 64, 80, Config(p_groups='interleaved', p_scale='pow2', q_format='fp8',"
                             " tau=0, delta=0.0, block_scale='nearest'), batch=2)"),
     case("5-d128-q-only", "run(5, 16, 3, 1, 130, 128, 114, Config(q_terms=1, quant_k=False, quant_p=False, eps=0.02),"
@@ -281,7 +286,7 @@ def test_the_cases_cover_what_the_kernel_has():
     codes = " ".join(p.values[0] for p in CASES)
     for feature in ("'fused'", "'bounded'", "window=", "page=", "run_varlen", "KVState", "hot_test='output'",
                     "hot_test='budget'", "fma=True", "direct_store=True", "pad_vote=True", "p2_shift='lanes'",
-                    ", 128,", ", 256,"):
+                    "p2_scores='f32'", ", 128,", ", 256,"):
         assert feature in codes, feature
     bounded = [p for p in CASES if "'bounded'" in p.values[0]]
     assert len(bounded) == 11 and sum(MIXED in p.values[1] for p in bounded) >= 4

@@ -19,3 +19,9 @@ def test_mutant_applies_once(m):
     assert m.new != m.old
     for t in m.tests:
         assert (ROOT / t.split("::")[0]).exists(), f"{m.id}: no test file {t}"
+
+
+def test_mutant_ids_are_unique():
+    """tools/mutants.py M… K… selects by id: a repeated id would run two planted bugs under one name."""
+    ids = [m.id for m in mutants.MUTANTS]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)

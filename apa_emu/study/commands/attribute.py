@@ -39,6 +39,7 @@ ATTRIBUTE_VARIANTS: dict[str, dict] = {
     "all, ascending order": dict(tile_order="ascending"),
     "all, τ = 0": dict(tau=0),
     "all, interleaved P groups": dict(p_groups="interleaved"),
+    "all, binary32 pass-2 scores": dict(p2_scores="f32"),
     "all, exact MMA": dict(mma="exact"),
     "all, sm120 MMA": dict(mma="sm120"),
 }
