@@ -104,8 +104,8 @@ class Plan:
         self.shape, self.cfg, self.want, self.schedule = shape, cfg, want, schedule
         self.segment = int(segment)
         s = shape
-        self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32", p2_s32=cfg.p2_scores == "f32",
-                               exp2_fast=cfg.exp2 == "fast")
+        self.variant = Variant(d=s.d, trace=want is not None, p2_f32=cfg.p2_accum == "f32",
+                               p2_s32=cfg.p2_scores == "f32", exp2_fast=cfg.exp2 == "fast")
         self.layout = lay = device.layout(self.variant)
         # The toggles each kernel struct carries, lowered by Config once (apa_emu/constants.py).
         self.prep_flags, self.pass1_flags, self.pass2_flags = cfg.prep_flags(), cfg.pass1_flags(), cfg.pass2_flags()

@@ -1,7 +1,8 @@
 // apa.cu: kernel entry points of the APA attention (docs/numerics.md), one cubin per build variant.
 //
 // Build variants (-D, see apa_gpu/build.py): APA_D (64 | 128 | 256), APA_TRACE (0 | 1), APA_P2_F32
-// (pass-2 output accumulation, §8.5), APA_P2_S32 (pass-2 score accumulation, §8.1), APA_EXP2_FAST (§2). Everything else is a run-time parameter.
+// (pass-2 output accumulation, §8.5), APA_P2_S32 (pass-2 score accumulation, §8.1), APA_EXP2_FAST (§2).
+// Everything else is a run-time parameter.
 //
 // Launch sequence (apa_gpu/plan.py), all on one stream:
 //   apa_prep_stats -> apa_prep_finalize -> apa_prep_q, apa_prep_k, apa_prep_v (the images, the

@@ -72,10 +72,10 @@ __device__ __forceinline__ void p2_init(Pass2State& st) {
 }
 
 // §8.1 scores of tile t (apa_emu/pass2.py p2_scores): S = chain over channels from C = +0, FP16
-// accumulation (APA_P2_S32: binary32), then x = (float(S) ⊗ qmul) ⊖ sh; FUSED: x at the seed's FMA site (§1.8). ldmatrix row
-// addresses in the K̂ image: sw128_half(r, c, TILE) with the lane's r and c split into the lane's part
-// and the k-step's; r mod 8 = lane mod 8 in every matrix, so the swizzle is an XOR of the k-step's
-// chunk bits with one per-lane constant.
+// accumulation (APA_P2_S32: binary32), then x = (float(S) ⊗ qmul) ⊖ sh; FUSED: x at the seed's FMA site
+// (§1.8). ldmatrix row addresses in the K̂ image: sw128_half(r, c, TILE) with the lane's r and c split into
+// the lane's part and the k-step's; r mod 8 = lane mod 8 in every matrix, so the swizzle is an XOR of the
+// k-step's chunk bits with one per-lane constant.
 template <bool FUSED>
 __device__ __forceinline__ void p2_scores(const uint32_t (&qa)[D / 16][4], const uint16_t* Ks, float sh_lo,
                                           float sh_hi, float qmul, float (&x)[8][4]) {

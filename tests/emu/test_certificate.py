@@ -26,7 +26,8 @@ from apa_emu.reference import reference
 F32 = np.float32
 
 CONFIGS = [
-    Config(), Config(eps=-1.0), Config(eps=1e9), Config(eps=0.1, p2_accum="f32"), Config(eps=0.1, p2_scores="f32"), Config(eps=0.02, quant_k=False),
+    Config(), Config(eps=-1.0), Config(eps=1e9), Config(eps=0.1, p2_accum="f32"), Config(eps=0.1, p2_scores="f32"),
+    Config(eps=0.02, quant_k=False),
     Config(eps=0.05, mma="exact"), Config(eps=0.05, mma="sm120"), Config(eps=0.05, p_scale="pow2", tau=0),
     Config(eps=0.05, p_groups="interleaved", q_terms=1), Config(eps=0.05, quant_p=False, q_format="fp8"),
     Config(eps=0.05, exp2="fast"), Config(eps=0.3, delta=0.0, tile_order="ascending", block_scale="nearest"),
